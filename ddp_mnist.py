@@ -1,0 +1,328 @@
+"""DDP (DistributedDataParallel) training of the MNIST CNN, on GPUs or on CPU.
+
+The baseline of the PyTorch "Getting Started with FSDP" tutorial: the same program as
+fsdp1_mnist.py, with every rank holding a full replica of the model, its gradients and its
+optimizer state. Compare the two with --metrics-json (train_state_bytes, peak memory, time).
+
+Launch it either way:
+    python ddp_mnist.py                        # one process per GPU; 2 CPU processes without GPUs
+    python ddp_mnist.py --no-cuda --world-size 4 --epochs 1
+    torchrun --nproc_per_node 4 ddp_mnist.py
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 ddp_mnist.py
+
+CUDA + NCCL are used when a GPU is visible, CPU + gloo otherwise (or with --no-cuda). MNIST is
+downloaded into --data-dir on first use where there is network.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import resource
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
+
+# A collective that waits longer than this for a peer fails the job instead of hanging it.
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def rank0_print(*args, **kwargs):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def fail(message):
+    """Stop this rank with exit code 1; rank 0 says what is wrong in one line, without a traceback."""
+    rank0_print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def agree_on_error(error):
+    """Fail on every rank if any rank found an error, so that no rank waits forever for the others."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        fail(first)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def load_mnist(data_dir, local_rank):
+    """Return the MNIST train and test sets, downloading them once per node if they are missing."""
+    raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
+    error = None
+    if local_rank == 0 and not all(os.path.exists(os.path.join(raw_dir, f)) for f in MNIST_FILES):
+        try:
+            datasets.MNIST(data_dir, train=True, download=True)
+        except Exception as e:
+            reason = str(e).strip().splitlines()[-1]
+            error = (f"MNIST is not in {raw_dir} and downloading it failed ({reason}). On a machine with network "
+                     f"run: python -c \"from torchvision.datasets import MNIST; MNIST('data', download=True)\" and "
+                     f"pass --data-dir data (or copy data/MNIST into {os.path.abspath(data_dir)}).")
+    agree_on_error(error)  # also makes the other ranks wait for the download
+
+    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    try:
+        train_set = datasets.MNIST(data_dir, train=True, transform=transform)
+        test_set = datasets.MNIST(data_dir, train=False, transform=transform)
+    except Exception as e:
+        error = (f"cannot read MNIST from {raw_dir} ({' '.join(str(e).split())}); "
+                 "delete that folder to download it again.")
+    agree_on_error(error)
+    return train_set, test_set
+
+
+def train(model, device, loader, optimizer, epoch, dry_run):
+    model.train()
+    loader.sampler.set_epoch(epoch)
+    totals = torch.zeros(2, device=device)  # summed loss, samples
+    for data, target in loader:
+        data, target = data.to(device), target.to(device)
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(data), target, reduction="sum")
+        loss.backward()
+        optimizer.step()
+        totals += torch.stack([loss.detach(), torch.tensor(len(data), device=device)])
+        if dry_run:
+            break
+    dist.all_reduce(totals)
+    train_loss = (totals[0] / totals[1]).item()
+    rank0_print(f"Train Epoch: {epoch} \tLoss: {train_loss:.6f}")
+    return train_loss
+
+
+def test(model, device, loader, dry_run):
+    model.eval()
+    sampler = loader.sampler
+    totals = torch.zeros(3, device=device)  # summed loss, correct, samples
+    seen = 0
+    with torch.no_grad():
+        for data, target in loader:
+            data, target = data.to(device), target.to(device)
+            output = model(data)
+            # DistributedSampler pads the test set with repeated samples so that every rank gets the
+            # same number of batches. Count each real sample once: this rank's k-th sample sits at
+            # position rank + k * world_size of the padded list.
+            position = sampler.rank + sampler.num_replicas * torch.arange(seen, seen + len(data), device=device)
+            real = position < len(sampler.dataset)
+            seen += len(data)
+            totals[0] += F.nll_loss(output[real], target[real], reduction="sum")
+            totals[1] += (output.argmax(dim=1) == target)[real].sum()
+            totals[2] += real.sum()
+            if dry_run:
+                break
+    dist.all_reduce(totals)
+    test_loss, correct, count = totals[0].item() / totals[2].item(), int(totals[1]), int(totals[2])
+    rank0_print(f"Test set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{count} ({100.0 * correct / count:.2f}%)\n")
+    return test_loss, correct / count
+
+
+def train_state_bytes(model, optimizer):
+    """Bytes this rank holds in parameters, gradients and optimizer state (full replicas under DDP)."""
+    params = list(model.parameters())
+    tensors = params + [p.grad for p in params if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def max_over_ranks(value, device):
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def save_atomic(obj, path):
+    """Write to a temporary name and rename, so that no reader ever sees a half-written file."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train_and_test(args, device):
+    rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    use_cuda = device.type == "cuda"
+    train_set, test_set = load_mnist(args.data_dir, local_rank)
+    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
+    test_sampler = DistributedSampler(test_set, shuffle=False)
+    loader_kwargs = {"num_workers": 2, "pin_memory": True} if use_cuda else {}
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler, **loader_kwargs)
+    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, sampler=test_sampler, **loader_kwargs)
+
+    # Every rank builds the same model from the same seed; DDP also broadcasts rank 0's weights.
+    model = DDP(Net().to(device), device_ids=[local_rank] if use_cuda else None)
+    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+
+    if use_cuda:
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+    start = time.perf_counter()
+    train_losses, epoch_times = [], []
+    for epoch in range(1, args.epochs + 1):
+        epoch_start = time.perf_counter()
+        train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
+        test_loss, accuracy = test(model, device, test_loader, args.dry_run)
+        scheduler.step()
+        epoch_times.append(time.perf_counter() - epoch_start)
+    wall_s = time.perf_counter() - start
+    if use_cuda:
+        end_event.record()
+        end_event.synchronize()
+        rank0_print(f"CUDA event elapsed time: {start_event.elapsed_time(end_event) / 1000:.3f}sec")
+    else:
+        rank0_print(f"Wall-clock elapsed time: {wall_s:.3f}sec")
+
+    # Sizes are fixed from the first optimizer step on; the last step's gradients are still held.
+    state_bytes = max_over_ranks(train_state_bytes(model, optimizer), device)
+    peak = (torch.cuda.max_memory_allocated(device) if use_cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is in KiB
+    peak = max_over_ranks(peak, device)
+    rank0_print(f"Peak memory per rank ({'CUDA allocated' if use_cuda else 'process RSS'}): {peak / 2**20:.1f} MB; "
+                f"parameters + gradients + optimizer state: {state_bytes / 2**20:.2f} MB")
+
+    checkpoint = None
+    if args.save_model:
+        # The plain Net's state dict (without DDP's "module." prefix), on CPU, on rank 0 only.
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        checkpoint = os.path.abspath("mnist_cnn.pt")
+        if rank == 0:
+            save_atomic(state, checkpoint)
+            rank0_print(f"Saved {checkpoint}")
+
+    if args.metrics_json and rank == 0:
+        metrics = {
+            "script": os.path.basename(__file__), "world_size": world_size, "device": device.type,
+            "backend": dist.get_backend(), "train_loss": train_losses[-1], "train_losses": train_losses,
+            "test_loss": test_loss, "accuracy": accuracy, "wall_s": wall_s, "epoch_times": epoch_times,
+            "train_state_bytes": state_bytes, "peak_memory_bytes": peak, "checkpoint": checkpoint,
+        }
+        tmp = f"{args.metrics_json}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(metrics, f, indent=2)
+        os.replace(tmp, args.metrics_json)
+
+
+def main(args):
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available() and not args.no_cuda
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this node; "
+             "start at most that many processes per node.")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)
+
+    try:
+        dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        train_and_test(args, device)  # its model and optimizer are garbage once it returns
+    finally:
+        # DDP's reducer keeps the process group alive through reference cycles. Free it now, while the
+        # interpreter is fully alive: left to the exit, gloo's worker threads can abort a finished run
+        # with SIGABRT ("terminate called without an active exception").
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_worker(local_rank, world_size, port, args):
+    # Set what torchrun would set, so that both launch modes run the same code.
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "OMP_NUM_THREADS" not in os.environ:  # like torchrun: share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    main(args)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """Reports a usage error once, from rank 0, instead of once per torchrun worker."""
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().error(message)
+        sys.exit(2)
+
+
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    parser = RankZeroArgumentParser(description="PyTorch MNIST example with DDP (DistributedDataParallel)",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--batch-size", type=positive_int, default=64, metavar="N",
+                        help="input batch size per process for training")
+    parser.add_argument("--test-batch-size", type=positive_int, default=1000, metavar="N",
+                        help="input batch size per process for testing")
+    parser.add_argument("--epochs", type=positive_int, default=10, metavar="N", help="number of epochs to train")
+    parser.add_argument("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
+    parser.add_argument("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma (per epoch)")
+    parser.add_argument("--no-cuda", action="store_true", help="train on CPU with gloo even when GPUs are present")
+    parser.add_argument("--dry-run", action="store_true", help="one training and one test batch per epoch")
+    parser.add_argument("--seed", type=int, default=1, metavar="S", help="random seed (model init, dropout, shuffling)")
+    parser.add_argument("--save-model", action="store_true",
+                        help="save the full state dict to ./mnist_cnn.pt (loads into the plain Net)")
+    parser.add_argument("--data-dir", default="../data", help="folder holding MNIST/raw; downloaded there if missing")
+    parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                        help="processes to spawn when started with python (default: GPU count, or 2 on CPU); "
+                             "under torchrun, --nproc_per_node decides")
+    parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics to PATH (rank 0)")
+    args = parser.parse_args()
+
+    if "RANK" in os.environ:  # started by torchrun
+        if args.world_size and args.world_size != int(os.environ["WORLD_SIZE"]):
+            parser.error(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE "
+                         f"{os.environ['WORLD_SIZE']}; leave --world-size out under torchrun")
+        main(args)
+    else:
+        use_cuda = torch.cuda.is_available() and not args.no_cuda
+        world_size = args.world_size or (torch.cuda.device_count() if use_cuda else 2)
+        if use_cuda and world_size > torch.cuda.device_count():
+            parser.error(f"--world-size {world_size} asks for more GPUs than the {torch.cuda.device_count()} present")
+        try:
+            mp.spawn(spawn_worker, args=(world_size, free_port(), args), nprocs=world_size)
+        except mp.ProcessExitedException as e:  # the failing worker has already said why
+            sys.exit(e.exit_code or 1)

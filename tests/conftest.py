@@ -1,0 +1,97 @@
+"""Shared fixtures: offline datasets and a helper that runs a script under torch.distributed.run."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from digits_mnist import write_digits_mnist
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"  # where torchrun's failure report starts
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory):
+    """A --data-dir whose MNIST/raw holds IDX files made from scikit-learn's bundled digits."""
+    return write_digits_mnist(tmp_path_factory.mktemp("mnist_data"))
+
+
+@dataclasses.dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    metrics: dict | None
+    cwd: Path
+
+    @property
+    def output(self):
+        return self.stdout + self.stderr
+
+    @property
+    def worker_stderr(self):
+        """stderr of the workers, without the report torchrun adds (with its own traceback) on failure."""
+        return self.stderr.split(TORCHRUN_REPORT)[0]
+
+
+def run_command(command, cwd, timeout, env=None):
+    """Run a command in cwd with a timeout; return a Run with the metrics JSON if one was written."""
+    metrics_path = Path(cwd) / "metrics.json"
+    command = [str(c) for c in command]
+    if "--metrics-json" not in command:
+        command += ["--metrics-json", str(metrics_path)]
+    metrics_path.unlink(missing_ok=True)  # never read an earlier run's metrics
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
+    return Run(proc.returncode, proc.stdout, proc.stderr, metrics, Path(cwd))
+
+
+def torchrun_command(script, args, nproc):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
+            REPO / script, *args]
+
+
+@pytest.fixture
+def torchrun(tmp_path):
+    """torchrun(script, *args, nproc=2, timeout=300, env=None) -> Run, in a fresh tmp_path."""
+
+    def run(script, *args, nproc=2, timeout=300, env=None):
+        return run_command(torchrun_command(script, args, nproc), tmp_path, timeout, env)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def cached_torchrun(tmp_path_factory):
+    """Like torchrun, but one run per distinct command line for the whole session.
+
+    Several tests read the same training run (accuracy, parity, memory, saved model); this keeps
+    each test self-contained without paying for the same run twice.
+    """
+    cache = {}
+
+    def run(script, *args, nproc=2, timeout=300):
+        key = (script, tuple(map(str, args)), nproc)
+        if key not in cache:
+            cwd = tmp_path_factory.mktemp(Path(script).stem)
+            cache[key] = run_command(torchrun_command(script, args, nproc), cwd, timeout)
+        return cache[key]
+
+    return run

@@ -1,0 +1,181 @@
+"""fsdp1_mnist.py and ddp_mnist.py, run for real on CPU (gloo) on the offline digits fixture."""
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_command
+from digits_mnist import TEST_SIZE as MNIST_TEST
+
+SCRIPTS = ["ddp_mnist.py", "fsdp1_mnist.py"]
+TINY = ["--batch-size", "32", "--test-batch-size", "100"]
+
+
+@pytest.fixture
+def mnist_run(cached_torchrun, mnist_dir):
+    """The reference run: 3 epochs on 2 ranks, saving the model. Cached: several tests read it."""
+
+    def run(script, *args, nproc=2, epochs=3):
+        result = cached_torchrun(script, "--data-dir", mnist_dir, "--epochs", epochs, *TINY, *args, nproc=nproc)
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
+def accuracy_lines(output):
+    return [(int(c), int(n)) for c, n in re.findall(r"Accuracy: (\d+)/(\d+) \(", output)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_learns_digits_under_torchrun(mnist_run, script):
+    metrics = mnist_run(script, "--save-model").metrics
+    assert metrics["accuracy"] >= 0.90
+    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
+    assert metrics["train_losses"][-1] < metrics["train_losses"][0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_spawn_mode_learns_the_same(mnist_run, mnist_dir, tmp_path, script):
+    """`python script.py` spawns the processes itself (on a free port) and gets the torchrun result."""
+    spawned = run_command([sys.executable, REPO / script, "--data-dir", mnist_dir, "--epochs", 3, *TINY,
+                           "--world-size", 2], tmp_path, timeout=300)
+    assert spawned.returncode == 0, spawned.output
+    assert spawned.metrics["accuracy"] >= 0.90
+    reference = mnist_run(script, "--save-model").metrics
+    assert spawned.metrics["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("options", [
+    [],
+    ["--auto-wrap-min-params", "20000", "--use-orig-params"],
+    ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST"],
+    ["--sharding-strategy", "NO_SHARD"],
+    ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"],
+], ids=lambda options: " ".join(options) or "FULL_SHARD")
+def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
+    """Same seed, same data order: every FSDP1 configuration reproduces DDP's per-epoch train losses."""
+    ddp = mnist_run("ddp_mnist.py", "--save-model").metrics["train_losses"]
+    if options:
+        fsdp = mnist_run("fsdp1_mnist.py", *options, epochs=2).metrics["train_losses"]
+    else:
+        fsdp = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"]
+    assert len(fsdp) >= 2
+    assert fsdp == pytest.approx(ddp[: len(fsdp)], rel=1e-4)
+
+
+@pytest.mark.parametrize("script, nproc", [("ddp_mnist.py", 2), ("fsdp1_mnist.py", 2), ("fsdp1_mnist.py", 3)])
+def test_test_set_counted_once(mnist_run, script, nproc):
+    """DistributedSampler pads 295 test samples to 296 (2 ranks) or 297 (3 ranks); the padding is not counted."""
+    result = mnist_run(script, "--save-model") if nproc == 2 else mnist_run(script, nproc=3, epochs=1)
+    counts = accuracy_lines(result.stdout)
+    assert counts, result.stdout
+    assert all(n == MNIST_TEST for _, n in counts), counts
+    assert result.metrics["accuracy"] == pytest.approx(counts[-1][0] / MNIST_TEST)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_saved_model_loads_into_plain_net(mnist_run, mnist_dir, script):
+    run = mnist_run(script, "--save-model")
+    assert (run.cwd / "mnist_cnn.pt").exists() and not list(run.cwd.glob("*.tmp"))
+    evaluate = f"""
+import sys, torch
+from torchvision import datasets, transforms
+sys.path.insert(0, {str(REPO)!r})
+from {script[:-3]} import Net
+net = Net()
+net.load_state_dict(torch.load("mnist_cnn.pt", weights_only=True))
+net.eval()
+transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+test_set = datasets.MNIST({str(mnist_dir)!r}, train=False, transform=transform)
+images = torch.stack([image for image, _ in test_set])
+with torch.no_grad():
+    print((net(images).argmax(1) == test_set.targets).sum().item())
+"""
+    proc = subprocess.run([sys.executable, "-c", evaluate], cwd=run.cwd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) / MNIST_TEST == pytest.approx(run.metrics["accuracy"], abs=1e-9)
+
+
+def test_fsdp_full_shard_halves_training_state(mnist_run):
+    fsdp = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_state_bytes"]
+    ddp = mnist_run("ddp_mnist.py", "--save-model").metrics["train_state_bytes"]
+    assert fsdp <= 0.55 * ddp, (fsdp, ddp)
+
+
+def test_seed_fixes_the_run(torchrun, mnist_dir, mnist_run):
+    first = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
+    again = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
+    assert first.returncode == 0 and again.returncode == 0, first.output + again.output
+    assert first.metrics["train_losses"] == again.metrics["train_losses"]
+    seed_1 = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"][0]
+    assert first.metrics["train_losses"][0] != pytest.approx(seed_1, rel=1e-4)
+
+
+def test_dry_run_stops_after_one_batch(torchrun, mnist_dir):
+    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--dry-run")
+    assert result.returncode == 0, result.output
+    assert accuracy_lines(result.stdout) == [(result.metrics["accuracy"] * 200, 200)]  # one batch of 100 per rank
+
+
+def truncate_training_images(tmp_path, mnist_dir):
+    bad = tmp_path / "bad_data"
+    raw = bad / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in (mnist_dir / "MNIST" / "raw").iterdir():
+        (raw / f.name).write_bytes(f.read_bytes()[:1000] if f.name.startswith("train-images") else f.read_bytes())
+    return bad
+
+
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}  # downloads fail at once
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("fsdp1_mnist.py", ["--data-dir", "{tmp}/missing"], ["missing/MNIST/raw", "download", "--data-dir"]),
+    ("ddp_mnist.py", ["--data-dir", "{tmp}/empty"], ["empty/MNIST/raw", "download", "--data-dir"]),
+    ("fsdp1_mnist.py", ["--data-dir", "{bad}"], ["cannot read MNIST", "bad_data/MNIST/raw"]),
+    ("fsdp1_mnist.py", ["--data-dir", "{data}", "--no-cuda", "--cpu-offload"], ["--cpu-offload", "GPU"]),
+    ("ddp_mnist.py", ["--batch-size", "0"], ["--batch-size", "positive integer"]),
+])
+def test_bad_input_fails_cleanly(torchrun, tmp_path, mnist_dir, script, args, expected):
+    (tmp_path / "empty").mkdir()
+    paths = {"tmp": tmp_path, "data": mnist_dir, "bad": truncate_training_images(tmp_path, mnist_dir)}
+    result = torchrun(script, *[a.format(**paths) for a in args], "--save-model", timeout=60, env=NO_NETWORK)
+    assert result.returncode != 0
+    error_lines = [line for line in result.worker_stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.worker_stderr  # one line, from rank 0 only
+    assert all(e in error_lines[0] for e in expected), error_lines
+    assert "Traceback" not in result.worker_stderr
+    assert result.metrics is None and not (tmp_path / "mnist_cnn.pt").exists()
+
+
+def test_spawn_mode_reports_missing_data_once(tmp_path):
+    result = run_command([sys.executable, REPO / "ddp_mnist.py", "--data-dir", tmp_path / "missing"], tmp_path,
+                         timeout=60, env=NO_NETWORK)
+    assert result.returncode == 1
+    assert result.stderr.count("error: MNIST is not in") == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_explains_every_flag(script):
+    flags = ["--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma", "--seed", "--no-cuda", "--save-model",
+             "--data-dir", "--dry-run", "--world-size", "--metrics-json"]
+    if script == "fsdp1_mnist.py":
+        flags += ["--auto-wrap-min-params", "--cpu-offload", "--sharding-strategy", "--backward-prefetch",
+                  "--use-orig-params"]
+    proc = subprocess.run([sys.executable, REPO / script, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert [f for f in flags if f not in help_text] == []
+    assert "(default: 64)" in help_text and "(default: 1000)" in help_text
+
+
+@pytest.mark.gpu
+def test_cpu_offload_on_gpu(torchrun, mnist_dir):
+    """One GPU (world size 1): CPU offload trains, and the time is measured with CUDA events."""
+    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 3, *TINY, "--cpu-offload",
+                      "--auto-wrap-min-params", "20000", nproc=1)
+    assert result.returncode == 0, result.output
+    assert result.metrics["device"] == "cuda" and result.metrics["backend"] == "nccl"
+    assert result.metrics["accuracy"] >= 0.90
+    assert "CUDA event elapsed time" in result.stdout
