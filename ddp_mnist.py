@@ -146,7 +146,8 @@ def test(model, device, loader, dry_run):
                 break
     dist.all_reduce(totals)
     test_loss, correct, count = totals[0].item() / totals[2].item(), int(totals[1]), int(totals[2])
-    rank0_print(f"Test set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{count} ({100.0 * correct / count:.2f}%)\n")
+    rank0_print(f"Test set: Average loss: {test_loss:.4f}, "
+                f"Accuracy: {correct}/{count} ({100.0 * correct / count:.2f}%)\n")
     return test_loss, correct / count
 
 

@@ -151,7 +151,8 @@ def test(model, device, loader, dry_run):
                 break
     dist.all_reduce(totals)
     test_loss, correct, count = totals[0].item() / totals[2].item(), int(totals[1]), int(totals[2])
-    rank0_print(f"Test set: Average loss: {test_loss:.4f}, Accuracy: {correct}/{count} ({100.0 * correct / count:.2f}%)\n")
+    rank0_print(f"Test set: Average loss: {test_loss:.4f}, "
+                f"Accuracy: {correct}/{count} ({100.0 * correct / count:.2f}%)\n")
     return test_loss, correct / count
 
 
@@ -346,7 +347,8 @@ if __name__ == "__main__":
                         help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3); SHARD_GRAD_OP "
                              "keeps parameters gathered from forward to backward (ZeRO-2); NO_SHARD is DDP-like; "
                              "HYBRID_SHARD shards within a node and replicates across nodes")
-    parser.add_argument("--backward-prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
+    parser.add_argument("--backward-prefetch", default="BACKWARD_PRE",
+                        choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
                         help="when to all-gather the next unit's parameters in backward")
     parser.add_argument("--use-orig-params", action="store_true",
                         help="expose the original parameters to the optimizer instead of FSDP's flat parameters")

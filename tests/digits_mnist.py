@@ -44,4 +44,5 @@ def write_digits_mnist(root):
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: python {sys.argv[0]} DATA_DIR")
-    print(f"wrote {TRAIN_SIZE} training and {TEST_SIZE} test digits to {write_digits_mnist(sys.argv[1]) / 'MNIST' / 'raw'}")
+    raw = write_digits_mnist(sys.argv[1]) / "MNIST" / "raw"
+    print(f"wrote {TRAIN_SIZE} training and {TEST_SIZE} test digits to {raw}")
