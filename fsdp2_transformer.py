@@ -291,9 +291,10 @@ def gather_with_dtensor_api(model, optimizer):
     """Full tensors from the DTensor shards (every rank takes part); only rank 0 keeps them, on CPU."""
     keep = dist.get_rank() == 0
 
-    def full(value):
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        return value.cpu() if keep and torch.is_tensor(value) else value if keep else None
+    def full(value):  # full_tensor() is a collective: every rank calls it, in the same order
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return None if not keep else value.cpu() if torch.is_tensor(value) else value
 
     names = [name for name, _ in model.named_parameters()]
     model_sd = {name: full(value) for name, value in model.state_dict().items()}
@@ -349,6 +350,10 @@ def find_checkpoint(root):
     return max(complete)[1] if complete else None
 
 
+def as_flags(config):
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (config or {}).items())
+
+
 def read_checkpoint(path, model, args):
     """Read and check a checkpoint's files; returns ((step, model state, optimizer state), error)."""
     loaded = {}
@@ -367,9 +372,9 @@ def read_checkpoint(path, model, args):
                           "checkpoint before it, or pass --no-resume")
     marker, model_sd, optim_sd = loaded[MARKER_FILE], loaded[MODEL_FILE], loaded[OPTIMIZER_FILE]
     if marker.get("model") != model_config(args):
-        flags = lambda config: " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (config or {}).items())  # noqa: E731
-        return None, (f"checkpoint {path} was written for another model ({flags(marker.get('model'))}) than this "
-                      f"run's ({flags(model_config(args))}); pass its sizes, another --checkpoint-dir or --no-resume")
+        return None, (f"checkpoint {path} was written for another model ({as_flags(marker.get('model'))}) than "
+                      f"this run's ({as_flags(model_config(args))}); pass its sizes, another --checkpoint-dir or "
+                      "--no-resume")
     shapes = {name: p.shape for name, p in model.named_parameters()}
     try:
         fits = ({k: v.shape for k, v in model_sd.items()} == shapes and set(optim_sd["state"]) == set(shapes)
@@ -386,7 +391,9 @@ def distribute_from_rank0(full, like):
     """Shard `full`, which only rank 0 holds (the others pass None), as the DTensor `like` is sharded."""
     if full is None:
         full = torch.empty(like.shape, dtype=like.dtype)  # only its shape matters: rank 0 scatters the data
-    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=0)
+    # Scattered on the mesh's device (NCCL needs GPU tensors even when --cpu-offload keeps the shards on CPU).
+    full = full.to(like.device_mesh.device_type, like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
 
 
 def load_with_dtensor_api(model, optimizer, model_sd, optim_sd):
@@ -450,7 +457,8 @@ def train(args, device):
     rows = args.batch_size // world_size
     tokens_per_step = args.batch_size * args.seq_len
     losses, grad_norms, state_bytes, checkpoint, train_s = [], [], None, None, 0.0
-    start = last_log = time.perf_counter()
+    logged = (start_step, 0.0)  # step and training time at the last printed line
+    start = time.perf_counter()
     for step in range(start_step + 1, args.steps + 1):
         step_start = time.perf_counter()
         if args.explicit_prefetching:
@@ -462,12 +470,10 @@ def train(args, device):
         grad_norms.append(grad_norm)
         if state_bytes is None:  # sizes are fixed from the first optimizer step on
             state_bytes = max_over_ranks(train_state_bytes(model, optimizer), device)
-        if step % args.log_every == 0 or step == args.steps or step == start_step + 1:
-            now = time.perf_counter()
-            steps_since = step - start_step if step == start_step + 1 else (step - 1) % args.log_every + 1
-            rank0_print(f"step {step} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
-                        f"tokens/s {steps_since * tokens_per_step / (now - last_log):,.0f}")
-            last_log = now
+        if step % args.log_every == 0 or step in (start_step + 1, args.steps):
+            tokens_per_s = (step - logged[0]) * tokens_per_step / (train_s - logged[1])
+            rank0_print(f"step {step} | loss {loss:.4f} | grad norm {grad_norm:.3f} | tokens/s {tokens_per_s:,.0f}")
+            logged = (step, train_s)
         if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps):
             checkpoint = save_checkpoint(model, optimizer, step, args)
     wall_s = time.perf_counter() - start
