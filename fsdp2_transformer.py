@@ -81,7 +81,7 @@ def init_(param, fill):
     """
     full = fill(torch.empty(param.shape, dtype=param.dtype))
     if isinstance(param, DTensor):
-        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)  # no communication
         param, full = param.to_local(), full.to_local()
     param.copy_(full)
 
@@ -391,9 +391,8 @@ def distribute_from_rank0(full, like):
     """Shard `full`, which only rank 0 holds (the others pass None), as the DTensor `like` is sharded."""
     if full is None:
         full = torch.empty(like.shape, dtype=like.dtype)  # only its shape matters: rank 0 scatters the data
-    # Scattered on the mesh's device (NCCL needs GPU tensors even when --cpu-offload keeps the shards on CPU).
-    full = full.to(like.device_mesh.device_type, like.dtype)
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=0)
+    # Scattered on the mesh's device, also when --cpu-offload keeps the shards in host memory.
+    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=0)
 
 
 def load_with_dtensor_api(model, optimizer, model_sd, optim_sd):
