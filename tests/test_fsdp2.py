@@ -1,0 +1,293 @@
+"""fsdp2_transformer.py, run for real on CPU (gloo): learning, parity, initialization, resume, memory, errors."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, run_command, torchrun_command
+
+sys.path.insert(0, str(REPO))
+from fsdp2_transformer import Transformer, global_batch, task_rules  # noqa: E402
+
+SCRIPT = "fsdp2_transformer.py"
+CONFIG = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
+TINY = ["--vocab-size", 64, "--dim", 32, "--seq-len", 16, "--batch-size", 8, "--log-every", 5]
+# The reference run: 20 steps on 2 ranks, checkpoints at steps 10 and 20 in its own folder.
+REFERENCE = [*TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 10]
+
+
+@pytest.fixture
+def fsdp2_run(cached_torchrun):
+    """A run that must succeed. Cached: several tests read the same run."""
+
+    def run(*args, nproc=2):
+        result = cached_torchrun(SCRIPT, *args, nproc=nproc)
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
+@pytest.fixture
+def reference(fsdp2_run):
+    return fsdp2_run(*REFERENCE)
+
+
+def copy_checkpoint(reference, step, dest):
+    """A --checkpoint-dir holding the reference run's checkpoint of `step`."""
+    shutil.copytree(reference.cwd / "ckpt" / f"step_{step:06d}", dest / f"step_{step:06d}")
+    return dest
+
+
+def load_files(folder):
+    return (torch.load(folder / "model.pt", weights_only=True), torch.load(folder / "optimizer.pt", weights_only=True))
+
+
+def test_default_command_learns_the_task(torchrun):
+    """`torchrun --nproc_per_node 2 fsdp2_transformer.py` on CPU: under 2 minutes, loss below ln(vocab) / 2."""
+    start = time.perf_counter()
+    result = torchrun(SCRIPT)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.output
+    metrics = result.metrics
+    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
+    assert "parameters (" in result.stdout and "are float32 DTensors sharded Shard(0)" in result.stdout
+    assert len(metrics["losses"]) == metrics["step"] == 200
+    assert metrics["train_loss"] < 0.5 * math.log(128), metrics["losses"][::10]
+    assert f"step 200 | loss {metrics['train_loss']:.4f} | grad norm" in result.stdout
+    assert metrics["tokens_per_s"] > 0 and metrics["peak_memory_bytes"] > 0
+    assert elapsed < 120, elapsed
+
+
+@pytest.mark.parametrize("nproc, options", [
+    (1, []),
+    (2, ["--grad-accum-steps", 2]),
+    (2, ["--explicit-prefetching", "--no-reshard-after-forward"]),
+], ids=["world size 1", "grad accumulation", "explicit prefetching, no reshard after forward"])
+def test_fp32_parity_with_the_plain_run(fsdp2_run, reference, nproc, options):
+    """Same seed, same global batches: the same per-step losses and gradient norms as 2 ranks without options."""
+    run = fsdp2_run(*TINY, "--steps", 20, *options, nproc=nproc).metrics
+    assert run["world_size"] == nproc and len(run["losses"]) == 20
+    assert run["losses"] == pytest.approx(reference.metrics["losses"], rel=1e-5)
+    assert run["grad_norms"] == pytest.approx(reference.metrics["grad_norms"], rel=1e-5)
+
+
+def test_mixed_precision_with_every_option(fsdp2_run, reference):
+    run = fsdp2_run(*TINY, "--steps", 20, "--mixed-precision", "--explicit-prefetching", "--grad-accum-steps", 2,
+                    "--no-reshard-after-forward")
+    assert "Unsharded parameters are bfloat16" in run.stdout
+    assert run.metrics["losses"] == pytest.approx(reference.metrics["losses"], rel=2e-2)
+    assert run.metrics["losses"] != pytest.approx(reference.metrics["losses"], rel=1e-6)  # really bf16
+
+
+def test_sharding_halves_training_state(fsdp2_run, reference):
+    one_rank = fsdp2_run(*TINY, "--steps", 20, nproc=1).metrics["train_state_bytes"]
+    assert reference.metrics["train_state_bytes"] <= 0.52 * one_rank, (reference.metrics["train_state_bytes"], one_rank)
+
+
+def test_meta_init_matches_eager_init():
+    """After to_empty (memory filled with NaN here), reset_parameters initializes every parameter as eager init does."""
+    config = {**CONFIG, "vocab_size": 128, "dim": 64, "seq_len": 32}  # enough values per tensor for the statistics
+    torch.manual_seed(0)
+    eager = dict(Transformer(**config).named_parameters())
+    with torch.device("meta"):
+        model = Transformer(**config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(math.nan)
+    model.reset_parameters()
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        assert p.mean().item() == pytest.approx(eager[name].mean().item(), abs=2e-3), name
+        assert p.std().item() == pytest.approx(eager[name].std().item(), rel=0.1, abs=1e-6), name
+
+
+def test_attention_is_causal():
+    """The logits at position t do not change when tokens after t do."""
+    torch.manual_seed(0)
+    model = Transformer(**CONFIG)
+    tokens = global_batch(task_rules(64, 0), 1, 4, 16, 0)[:, :-1]
+    changed = tokens.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 64
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    assert torch.equal(before[:, :8], after[:, :8])
+    assert not torch.allclose(before[:, 8:], after[:, 8:])
+
+
+def test_task_is_the_same_global_batch_whatever_the_world_size():
+    rules = task_rules(64, 0)
+    batch = global_batch(rules, 7, 8, 16, 0)
+    assert torch.equal(batch, global_batch(rules, 7, 8, 16, 0))
+    assert not torch.equal(batch, global_batch(rules, 8, 8, 16, 0))
+    follows_a_rule = (rules[:, batch[:, :-1]] == batch[:, 1:]).all(dim=2)  # [rule, row]
+    assert follows_a_rule.any(dim=0).all()
+
+
+COUNT_REDUCE_SCATTERS = """
+import argparse, gc, json, sys, warnings
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+sys.path.insert(0, {repo!r})
+import fsdp2_transformer as script
+
+def reduce_scatters_in_one_step(grad_accum_steps):
+    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=2, n_heads=4, seq_len=16, mixed_precision=False,
+                              cpu_offload=False, no_reshard_after_forward=False, explicit_prefetching=False,
+                              grad_accum_steps=grad_accum_steps, max_norm=1.0)
+    model = script.build_model(args, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokens = script.global_batch(script.task_rules(64, 0), 1, 12, 16, 0)[dist.get_rank() * 6:][:6]
+    with CommDebugMode() as comm:
+        script.train_step(model, optimizer, tokens, args)
+    return sum(n for op, n in comm.get_comm_counts().items() if "reduce_scatter" in str(op))
+
+warnings.simplefilter("ignore")  # FSDP2 warns about view outputs under CommDebugMode
+dist.init_process_group("gloo")
+counts = {{k: reduce_scatters_in_one_step(k) for k in (1, 3)}}
+if dist.get_rank() == 0:
+    print(json.dumps(counts))
+gc.collect()  # free the FSDP modules before the process group (see the script's main)
+dist.destroy_process_group()
+"""
+
+
+def test_gradient_accumulation_reduces_once_per_step(torchrun, tmp_path):
+    """With 3 micro-batches, gradients are reduce-scattered once per FSDP unit (2 blocks + root), not 3 times."""
+    program = tmp_path / "count_reduce_scatters.py"
+    program.write_text(COUNT_REDUCE_SCATTERS.format(repo=str(REPO)))
+    result = torchrun(program)
+    assert result.returncode == 0, result.output
+    assert json.loads(result.stdout.splitlines()[-1]) == {"1": 3, "3": 3}
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """api -> (first, second, checkpoint folder): 10 steps, then a second run resuming to 20 in the same folder.
+
+    Between the two runs, a newer step_000015 is left as a save cut short leaves it: no COMPLETE marker and
+    a truncated model.pt. Cached: two tests read each pair of runs.
+    """
+    cache = {}
+
+    def run(*api):
+        if api not in cache:
+            cwd = tmp_path_factory.mktemp("resume")
+            checkpoints = cwd / "ckpt"
+            command = [*TINY, "--checkpoint-dir", "ckpt", "--save-every", 10, *api]
+            first = run_command(torchrun_command(SCRIPT, [*command, "--steps", 10], 2), cwd, timeout=300)
+            assert first.returncode == 0, first.output
+            (checkpoints / "step_000015").mkdir()
+            model_file = checkpoints / "step_000010" / "model.pt"
+            (checkpoints / "step_000015" / "model.pt").write_bytes(model_file.read_bytes()[:500])
+            second = run_command(torchrun_command(SCRIPT, [*command, "--steps", 20], 2), cwd, timeout=300)
+            assert second.returncode == 0, second.output
+            cache[api] = first, second, checkpoints
+        return cache[api]
+
+    return run
+
+
+@pytest.mark.parametrize("api", [[], ["--dcp-api"]], ids=["DTensor API", "DCP API"])
+def test_resume_continues_the_same_run(resumed_run, reference, api):
+    """10 steps, then a second run resuming to 20: the same losses and final state as 20 steps straight."""
+    first, second, checkpoints = resumed_run(*api)
+    assert f"Resumed from {checkpoints / 'step_000010'} at step 10" in second.stdout
+    assert second.metrics["first_step"] == 11 and second.metrics["step"] == 20
+    assert first.metrics["losses"] + second.metrics["losses"] == reference.metrics["losses"]
+    model, optimizer = load_files(checkpoints / "step_000020")
+    expected_model, expected_optimizer = load_files(reference.cwd / "ckpt" / "step_000020")
+    assert model.keys() == expected_model.keys() and all(torch.equal(model[k], expected_model[k]) for k in model)
+    for name, state in expected_optimizer["state"].items():
+        assert all(torch.equal(optimizer["state"][name][k], v) for k, v in state.items()), name
+
+
+def test_incomplete_checkpoint_is_ignored(resumed_run):
+    """The newer step_000015 without its COMPLETE marker is skipped: the run resumes from step 10."""
+    _, second, checkpoints = resumed_run()
+    assert f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} (no COMPLETE marker)" in second.stdout
+    assert second.metrics["first_step"] == 11
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path, reference):
+    """Written by 2 ranks with the DTensor API, resumed by 1 rank with the DCP API: the same trajectory."""
+    copy_checkpoint(reference, 10, tmp_path / "ckpt")
+    resumed = torchrun(SCRIPT, *TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--dcp-api", nproc=1)
+    assert resumed.returncode == 0, resumed.output
+    assert resumed.metrics["first_step"] == 11
+    assert resumed.metrics["losses"] == pytest.approx(reference.metrics["losses"][10:], rel=1e-5)
+    model, _ = load_files(tmp_path / "ckpt" / "step_000020")
+    expected, _ = load_files(reference.cwd / "ckpt" / "step_000020")
+    assert all(torch.allclose(model[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)
+
+
+def test_checkpoint_layout_and_plain_model(reference):
+    """Complete folders only; model.pt loads into the plain, unsharded Transformer."""
+    folder = reference.cwd / "ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000010", "step_000020"]
+    assert reference.metrics["checkpoint"] == str(folder / "step_000020")
+    marker = json.loads((folder / "step_000020" / "COMPLETE").read_text())
+    assert marker["step"] == 20 and marker["model"] == CONFIG
+    model = Transformer(**CONFIG)
+    model.load_state_dict(torch.load(folder / "step_000020" / "model.pt", weights_only=True))
+    tokens = global_batch(task_rules(64, 0), 21, 8, 16, 0)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    assert loss.item() == pytest.approx(reference.metrics["train_loss"], rel=0.1)
+
+
+def test_no_resume_starts_over(torchrun, tmp_path, reference):
+    """--no-resume trains from step 1 even though --checkpoint-dir holds a checkpoint of step 10."""
+    copy_checkpoint(reference, 10, tmp_path / "ckpt")
+    result = torchrun(SCRIPT, *TINY, "--steps", 10, "--checkpoint-dir", "ckpt", "--no-resume")
+    assert result.returncode == 0, result.output
+    assert result.metrics["losses"] == reference.metrics["losses"][:10]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--cpu-offload"], ["--cpu-offload", "needs a CUDA GPU"]),
+    (["--dim", 30, "--n-heads", 4], ["--dim 30 is not divisible by --n-heads 4"]),
+    (["--steps", 0], ["--steps", "must be a positive integer, got 0"]),
+    (["--batch-size", 6, "--grad-accum-steps", 2], ["--batch-size 6", "use a multiple of 4"]),
+    (["--checkpoint-dir", "{truncated}", "--dcp-api"], ["cannot read checkpoint file", "step_000010/optimizer.pt"]),
+    (["--checkpoint-dir", "{intact}", "--dim", 64], ["another model", "--dim 32", "--dim 64"]),
+], ids=["cpu offload without GPU", "dim vs heads", "no steps", "batch vs ranks", "corrupted checkpoint",
+        "other model size"])
+def test_bad_input_fails_cleanly(torchrun, tmp_path, reference, args, expected):
+    folders = {name: copy_checkpoint(reference, 10, tmp_path / name) for name in ("truncated", "intact")}
+    optimizer_file = folders["truncated"] / "step_000010" / "optimizer.pt"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])  # a copy cut short
+    result = torchrun(SCRIPT, *TINY, "--steps", 20, *[str(a).format(**folders) for a in args], timeout=60)
+    assert result.returncode != 0
+    error_lines = [line for line in result.worker_stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.worker_stderr  # one line, from rank 0 only
+    assert all(e in error_lines[0] for e in expected), error_lines
+    assert "Traceback" not in result.worker_stderr
+    assert result.metrics is None and not list(tmp_path.glob("*/step_000020"))
+
+
+def test_help_explains_every_flag():
+    flags = ["--vocab-size", "--dim", "--n-layers", "--n-heads", "--seq-len", "--batch-size", "--steps", "--lr",
+             "--seed", "--cpu", "--explicit-prefetching", "--prefetch-depth", "--mixed-precision", "--max-norm",
+             "--no-reshard-after-forward", "--cpu-offload", "--grad-accum-steps", "--dcp-api", "--checkpoint-dir",
+             "--save-every", "--no-resume", "--log-every", "--metrics-json"]
+    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert [f for f in flags if f"{f} " not in help_text] == []
+    assert "(default: 200)" in help_text and "(default: 1.0)" in help_text
+
+
+@pytest.mark.gpu
+def test_cpu_offload_and_mixed_precision_on_gpu(torchrun):
+    """One GPU (world size 1): CPU offload with bf16 compute trains."""
+    result = torchrun(SCRIPT, "--steps", 100, "--cpu-offload", "--mixed-precision", nproc=1)
+    assert result.returncode == 0, result.output
+    assert result.metrics["device"] == "cuda" and result.metrics["backend"] == "nccl"
+    assert result.metrics["train_loss"] < 0.5 * math.log(128)
