@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
+from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"  # where torchrun's failure report starts
@@ -30,6 +31,18 @@ def pytest_collection_modifyitems(config, items):
 def mnist_dir(tmp_path_factory):
     """A --data-dir whose MNIST/raw holds IDX files made from scikit-learn's bundled digits."""
     return write_digits_mnist(tmp_path_factory.mktemp("mnist_data"))
+
+
+@pytest.fixture(scope="session")
+def wikihow_dir(tmp_path_factory):
+    """A --data-dir with a WikiHow-format wikihowAll.csv and the official split lists (tests/tiny_wikihow.py)."""
+    return write_wikihow(tmp_path_factory.mktemp("wikihow_data"))
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory):
+    """A --model-name directory: a tiny random T5 and a tokenizer trained on the WikiHow fixture."""
+    return write_tiny_t5(tmp_path_factory.mktemp("tiny_t5"))
 
 
 @dataclasses.dataclass
