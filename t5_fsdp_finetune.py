@@ -164,8 +164,9 @@ def per_example_loss(logits, target_ids):
 
 
 def forward(model, batch):
-    # use_cache=False: the decoder's key/value cache is for generation; in training it only costs
-    # memory and breaks activation checkpointing's recomputation.
+    # use_cache=False: the decoder's key/value cache is for generation. In training it only costs memory,
+    # and under activation checkpointing the recomputed forward saves other tensors than the first one
+    # did (CheckpointError: "A different number of tensors was saved").
     return model(input_ids=batch["source_ids"], attention_mask=batch["source_mask"], labels=batch["target_ids"],
                  use_cache=False).logits
 
@@ -186,7 +187,8 @@ def train(model, loader, optimizer, scaler, epoch, device):
         else:
             losses.mean().backward()
             optimizer.step()
-        totals += torch.stack([losses.detach().sum().double(), torch.tensor(len(losses), device=device)])
+        totals[0] += losses.detach().sum()
+        totals[1] += len(losses)
     dist.all_reduce(totals)
     train_loss = (totals[0] / totals[1]).item()
     rank0_print(f"Train Epoch: \t{epoch}, Loss: \t{train_loss:.4f}")
@@ -209,7 +211,8 @@ def validation(model, loader, device):
             position = sampler.rank + sampler.num_replicas * torch.arange(seen, seen + len(losses), device=device)
             real = position < len(sampler.dataset)
             seen += len(losses)
-            totals += torch.stack([losses[real].sum().double(), real.sum().double()])
+            totals[0] += losses[real].sum()
+            totals[1] += real.sum()
     dist.all_reduce(totals)
     val_loss = (totals[0] / totals[1]).item()
     rank0_print(f"Validation Loss: {val_loss:.4f}")
@@ -353,9 +356,10 @@ def train_and_validate(args, device):
         device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator and refuses to start
     )
     if args.activation_checkpointing:
-        # Non-reentrant checkpointing handles T5Block's keyword arguments (the reentrant one of the
-        # tutorial's code crashed, pytorch/examples#1210) and restores the RNG, so dropout masks and
-        # losses are those of a run without it.
+        # Only checkpoint_impl is passed: the tutorial's code also passed offload_to_cpu=False, which newer
+        # torch hands on to T5Block.forward (the TypeError of pytorch/examples#1210). Non-reentrant
+        # checkpointing takes T5Block's keyword arguments and restores the RNG state when it recomputes,
+        # so dropout masks, and losses, are those of a run without it.
         apply_activation_checkpointing(
             model, check_fn=lambda module: isinstance(module, T5Block),
             checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
