@@ -63,6 +63,13 @@ class Run:
         return self.stderr.split(TORCHRUN_REPORT)[0]
 
 
+def single_error_line(run):
+    """The `error:` line of a failed run, asserting there is exactly one (rank 0's) and no worker traceback."""
+    lines = [line for line in run.worker_stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in run.worker_stderr, run.worker_stderr
+    return lines[0]
+
+
 def run_command(command, cwd, timeout, env=None):
     """Run a command in cwd with a timeout; return a Run with the metrics JSON if one was written."""
     metrics_path = Path(cwd) / "metrics.json"
