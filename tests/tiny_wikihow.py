@@ -25,7 +25,7 @@ VERBS = ["Clean", "Paint", "Repair", "Build", "Decorate", "Organize", "Measure",
 THINGS = ["a Bicycle", "a Garden Bench", "a Kitchen Table", "a Wooden Fence", "a Bookshelf", "a Canoe",
           "a Window Frame", "a Leather Sofa", "a Clay Pot", "a Birdhouse", "a Guitar", "a Tent", "a Lamp",
           "a Doghouse", "a Mailbox", "a Picnic Basket", "a Treehouse", "a Rocking Chair", "a Skateboard",
-          "a Piano"]
+          "Your Cat's Bed"]  # the split lists spell it YourCatsBed: alphanumerics only
 TOOLS = ["a soft brush", "a damp cloth", "fine sandpaper", "a tape measure", "a screwdriver", "warm water",
          "a bucket", "some gloves", "a pencil", "a level", "a sponge", "a ladder"]
 WAYS = ["slowly", "carefully", "twice", "from top to bottom", "in small sections", "before noon"]
