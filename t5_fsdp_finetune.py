@@ -512,7 +512,8 @@ if __name__ == "__main__":
                         help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3); SHARD_GRAD_OP "
                              "keeps parameters gathered from forward to backward (ZeRO-2); NO_SHARD is DDP-like; "
                              "HYBRID_SHARD shards within a node and replicates across nodes")
-    parser.add_argument("--backward-prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
+    parser.add_argument("--backward-prefetch", default="BACKWARD_PRE",
+                        choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
                         help="when to all-gather the next unit's parameters in backward")
     parser.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "grad-bf16"],
                         help="auto: bf16 on GPUs with native bf16, else fp32 (also on CPU); bf16/fp16: compute, "

@@ -247,7 +247,8 @@ SPLITS_IN_A_FRESH_PROCESS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from summarization_dataset import read_articles
-print(json.dumps({split: [t for t, _, _ in read_articles(sys.argv[2], split)] for split in ("train", "validation", "test")}))
+splits = ("train", "validation", "test")
+print(json.dumps({split: [t for t, _, _ in read_articles(sys.argv[2], split)] for split in splits}))
 """
 
 
