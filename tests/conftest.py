@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
+from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"  # where torchrun's failure report starts
@@ -32,6 +33,18 @@ def mnist_dir(tmp_path_factory):
     return write_digits_mnist(tmp_path_factory.mktemp("mnist_data"))
 
 
+@pytest.fixture(scope="session")
+def wikihow_dir(tmp_path_factory):
+    """A --data-dir with a WikiHow-format wikihowAll.csv and the official split lists (tests/tiny_wikihow.py)."""
+    return write_wikihow(tmp_path_factory.mktemp("wikihow_data"))
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory):
+    """A --model-name directory: a tiny random T5 and a tokenizer trained on the WikiHow fixture."""
+    return write_tiny_t5(tmp_path_factory.mktemp("tiny_t5"))
+
+
 @dataclasses.dataclass
 class Run:
     returncode: int
@@ -48,6 +61,13 @@ class Run:
     def worker_stderr(self):
         """stderr of the workers, without the report torchrun adds (with its own traceback) on failure."""
         return self.stderr.split(TORCHRUN_REPORT)[0]
+
+
+def single_error_line(run):
+    """The `error:` line of a failed run, asserting there is exactly one (rank 0's) and no worker traceback."""
+    lines = [line for line in run.worker_stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in run.worker_stderr, run.worker_stderr
+    return lines[0]
 
 
 def run_command(command, cwd, timeout, env=None):

@@ -1,0 +1,321 @@
+"""t5_fsdp_finetune.py and summarization_dataset.py on CPU (gloo): the offline WikiHow fixture and a tiny T5."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from conftest import REPO, single_error_line
+from tiny_wikihow import DROPPED, TEST, TRAIN, VAL, split_titles, write_wikihow
+
+sys.path.insert(0, str(REPO))
+from summarization_dataset import WikiHowError, fallback_split, read_articles, wikihow  # noqa: E402
+
+SCRIPT = "t5_fsdp_finetune.py"
+INPUT_LENGTH, OUTPUT_LENGTH, VAL_SAMPLES = 64, 24, 31  # 31: DistributedSampler repeats one example on 2 ranks
+TINY = ["--input-length", INPUT_LENGTH, "--output-length", OUTPUT_LENGTH, "--num-train-samples", 128,
+        "--num-val-samples", VAL_SAMPLES, "--lr", 0.01]
+REFERENCE = ["--checkpoint-type", "sharded"]  # 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_hf(tmp_path_factory):
+    """No hub access, and this session's own datasets cache (in this process and in every script run)."""
+    cache = tmp_path_factory.mktemp("hf_datasets_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(cache))):
+            patch.setenv(name, value)
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        yield
+
+
+def tiny_args(model_dir, data_dir, epochs, *args):
+    return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *TINY, *args]
+
+
+@pytest.fixture
+def t5_run(cached_torchrun, wikihow_dir, tiny_t5_dir):
+    """A training run on 2 ranks with the tiny model; cached, so several tests read one run."""
+
+    def run(*args, epochs=2):
+        result = cached_torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, epochs, *args))
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_t5_dir):
+    from transformers import T5Tokenizer
+
+    return T5Tokenizer.from_pretrained(tiny_t5_dir)
+
+
+def test_validation_loss_falls_every_epoch(t5_run):
+    run = t5_run(*REFERENCE, epochs=3)
+    metrics = run.metrics
+    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
+    assert metrics["mixed_precision"] == "fp32"  # what auto picks on CPU
+    val = metrics["val_losses"]
+    assert len(val) == 3 and val[0] > val[1] > val[2], val
+    assert metrics["val_loss"] == val[2] and metrics["train_losses"][2] < metrics["train_losses"][0]
+    for epoch, (train_loss, val_loss) in enumerate(zip(metrics["train_losses"], val), 1):
+        assert f"Train Epoch: \t{epoch}, Loss: \t{train_loss:.4f}" in run.stdout
+        assert f"Validation Loss: {val_loss:.4f}" in run.stdout
+    assert metrics["samples_per_s"] > 0 and len(metrics["epoch_times"]) == 3
+
+
+EVALUATE = """
+import json, sys, torch
+import torch.nn.functional as F
+from transformers import T5ForConditionalGeneration, T5Tokenizer
+sys.path.insert(0, sys.argv[1])
+from summarization_dataset import wikihow
+hf_dir, pt_file, plain_dir, data_dir = sys.argv[2:6]
+tokenizer = T5Tokenizer.from_pretrained(hf_dir)
+model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+plain = T5ForConditionalGeneration.from_pretrained(plain_dir)  # the untrained model: the .pt loads into it
+plain.load_state_dict(torch.load(pt_file, weights_only=True))
+same = all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), model.state_dict().values()))
+val = wikihow(tokenizer, "validation", int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]), data_dir=data_dir)
+with torch.no_grad():
+    logits = model(input_ids=val.source_ids, attention_mask=val.source_mask, labels=val.target_ids).logits
+    token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
+    val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()  # mean over examples of token means
+    generated = model.generate(val.source_ids[:2], attention_mask=val.source_mask[:2], max_new_tokens=24)
+print(json.dumps({"val_loss": val_loss, "same": same,
+                  "summaries": tokenizer.batch_decode(generated, skip_special_tokens=True)}))
+"""
+
+
+def test_best_model_loads_in_a_fresh_process(t5_run, tiny_t5_dir, wikihow_dir):
+    """The HF directory loads with from_pretrained, generates text, and gives the logged best validation loss."""
+    run = t5_run(*REFERENCE, epochs=3)
+    hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
+    assert hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"]) and pt_file == hf_dir[: -len("-hf")] + ".pt"
+    assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
+    assert not list(run.cwd.glob("*.tmp"))
+    command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH, OUTPUT_LENGTH]
+    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["same"], "the .pt and the HF directory hold different weights"
+    assert all(summary.strip() for summary in result["summaries"]), result["summaries"]
+    assert result["val_loss"] == pytest.approx(run.metrics["val_loss"], abs=1e-3)
+
+
+@pytest.mark.parametrize("options", [
+    ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST", "--activation-checkpointing"],
+    ["--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE"],
+], ids=" ".join)
+def test_fp32_options_give_the_same_losses(t5_run, options):
+    """Same seed and data: sharding, prefetch and activation checkpointing do not change the epoch losses."""
+    reference = t5_run(*REFERENCE, epochs=3)
+    run = t5_run(*options, "--mixed-precision", "fp32", "--no-save-model")
+    checkpointed = 4 if "--activation-checkpointing" in options else 0  # 2 encoder + 2 decoder blocks
+    assert f"activation checkpointing of {checkpointed} T5Blocks" in run.stdout
+    assert "activation checkpointing of 0 T5Blocks" in reference.stdout
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(reference.metrics[key][:2], rel=1e-4)
+
+
+def test_full_shard_halves_training_state(t5_run):
+    full = t5_run(*REFERENCE, epochs=3).metrics["train_state_bytes"]
+    replicated = t5_run("--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE", "--mixed-precision", "fp32",
+                        "--no-save-model").metrics["train_state_bytes"]
+    assert full <= 0.55 * replicated, (full, replicated)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "grad-bf16", "fp16"])
+def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_dir, precision):
+    """bf16 and grad-bf16 run on CPU; fp16 either runs or says in one line why it cannot."""
+    fp32 = t5_run(*REFERENCE, epochs=3).metrics["val_losses"][:2]
+    run = cached_torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
+                                             "--no-save-model"))
+    if precision == "fp16" and run.returncode != 0:
+        assert "fp16" in single_error_line(run)
+        return
+    assert run.returncode == 0, run.output
+    assert run.metrics["mixed_precision"] == precision
+    val = run.metrics["val_losses"]
+    assert val[1] < val[0] and val == pytest.approx(fp32, rel=0.05)
+    assert val != pytest.approx(fp32, rel=1e-6)  # the policy really changed the arithmetic
+
+
+def test_without_validation_the_last_epoch_is_saved(t5_run):
+    run = t5_run("--no-run-validation", "--no-track-memory")
+    assert "Validation Loss" not in run.stdout and "Process memory" not in run.stdout
+    assert "Process memory" in t5_run(*REFERENCE, epochs=3).stdout
+    assert run.metrics["val_losses"] == [None, None] and run.metrics["val_loss"] is None
+    assert [p.name for p in run.cwd.glob("T5-model-*.pt")] == [run.metrics["checkpoint_pt"].split("/")[-1]]
+    assert run.metrics["checkpoint"].endswith("-2-hf") and (run.cwd / run.metrics["checkpoint"]).is_dir()
+
+
+def test_resume_continues_the_same_trajectory(t5_run, torchrun, wikihow_dir, tiny_t5_dir):
+    """1 epoch + --resume for the second = 2 epochs straight (the reference's epoch-1 checkpoint is what a
+    1-epoch run writes: the learning rate and data order depend on the epoch number only)."""
+    reference = t5_run(*REFERENCE, epochs=3)
+    checkpoint = reference.cwd / "checkpoint-epoch-1"
+    assert (checkpoint / "trainer_state.json").exists() and not list(reference.cwd.glob("checkpoint-*.tmp"))
+    resumed = torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, *REFERENCE, "--resume", checkpoint))
+    assert resumed.returncode == 0, resumed.output
+    assert "Train Epoch: \t1," not in resumed.stdout and "Train Epoch: \t2," in resumed.stdout
+    assert resumed.metrics["val_losses"] == pytest.approx(reference.metrics["val_losses"][:2], rel=1e-5)
+    assert resumed.metrics["train_losses"] == pytest.approx(reference.metrics["train_losses"][:2], rel=1e-5)
+    assert (resumed.cwd / "checkpoint-epoch-2" / "trainer_state.json").exists()
+
+
+def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    from t5_fsdp_finetune import find_checkpoint
+
+    for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp", "checkpoint-epoch-12"):
+        (tmp_path / name).mkdir()
+        if name != "checkpoint-epoch-12":  # no trainer_state.json: incomplete
+            (tmp_path / name / "trainer_state.json").write_text("{}")
+    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
+    assert find_checkpoint(str(tmp_path / "checkpoint-epoch-2")) == str(tmp_path / "checkpoint-epoch-2")
+    assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
+
+
+def corrupt_checkpoint(tmp_path, reference):
+    checkpoint = shutil.copytree(reference.cwd / "checkpoint-epoch-1", tmp_path / "corrupt")
+    shard = next(checkpoint.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return checkpoint
+
+
+def no_columns_csv(tmp_path):
+    (tmp_path / "no_headline").mkdir()
+    (tmp_path / "no_headline" / "wikihowAll.csv").write_text("title,text\nHow to Sit,Sit down on a chair.\n")
+    return tmp_path / "no_headline"
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--data-dir", "{tmp}/empty", ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
+    ("--data-dir", "{no_columns}", ["no_headline/wikihowAll.csv", "lacks the column(s) headline"]),
+    ("--model-name", "{tmp}/no_model", ["--model-name", "no_model: no such directory"]),
+    ("--resume", "{corrupt}", ["--resume", "corrupt: cannot load it", "corrupted"]),
+], ids=["missing csv", "missing columns", "missing model", "corrupted checkpoint"])
+def test_bad_input_fails_cleanly(torchrun, t5_run, tmp_path, wikihow_dir, tiny_t5_dir, option, value, expected):
+    (tmp_path / "empty").mkdir()
+    paths = {"tmp": tmp_path, "no_columns": no_columns_csv(tmp_path)}
+    if option == "--resume":
+        paths["corrupt"] = corrupt_checkpoint(tmp_path, t5_run(*REFERENCE, epochs=3))
+    options = {"--model-name": tiny_t5_dir, "--data-dir": wikihow_dir, "--save-dir": tmp_path / "out",
+               option: value.format(**paths)}
+    result = torchrun(SCRIPT, *[x for pair in options.items() for x in pair], *TINY, timeout=120)
+    assert result.returncode != 0
+    error_line = single_error_line(result)
+    assert all(e in error_line for e in expected), error_line
+    assert result.metrics is None and not (tmp_path / "out").exists()
+
+
+def test_help_explains_every_flag():
+    flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma",
+             "--seed", "--num-train-samples", "--num-val-samples", "--input-length", "--output-length",
+             "--sharding-strategy", "--backward-prefetch", "--mixed-precision", "--activation-checkpointing",
+             "--limit-all-gathers", "--track-memory", "--no-track-memory", "--run-validation", "--no-run-validation",
+             "--save-model", "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
+             "--metrics-json"]
+    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+    assert [f for f in flags if f not in help_text] == []
+    assert "(default: t5-base)" in help_text and "(default: 1500)" in help_text and "(default: 0.002)" in help_text
+
+
+# The dataset, in this process.
+
+def titles(dataset):
+    return [title for title, _, _ in dataset.articles]
+
+
+def test_split_files_are_honoured(tokenizer, wikihow_dir):
+    expected = split_titles()
+    for split, key in (("train", "train"), ("validation", "val"), ("val", "val"), ("test", "test")):
+        dataset = wikihow(tokenizer, split, None, INPUT_LENGTH, OUTPUT_LENGTH, data_dir=wikihow_dir)
+        assert titles(dataset) == [t for t in expected[key] if t not in DROPPED], split
+    first = wikihow(tokenizer, "train", 5, INPUT_LENGTH, OUTPUT_LENGTH, data_dir=wikihow_dir)
+    assert titles(first) == expected["train"][:5] and len(first) == 5
+
+
+SPLITS_IN_A_FRESH_PROCESS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from summarization_dataset import read_articles
+splits = ("train", "validation", "test")
+print(json.dumps({split: [t for t, _, _ in read_articles(sys.argv[2], split)] for split in splits}))
+"""
+
+
+def test_fallback_split_is_deterministic_and_disjoint(tmp_path):
+    data = write_wikihow(tmp_path / "no_split_lists", split_files=False)
+    splits = {split: [t for t, _, _ in read_articles(data, split)] for split in ("train", "validation", "test")}
+    kept = [t for key in ("train", "val", "test") for t in split_titles()[key] if t not in DROPPED]
+    assert sorted(sum(splits.values(), [])) == sorted(kept)  # disjoint, and every article in one split
+    assert len(splits["train"]) > 0.8 * len(kept) and splits["validation"] and splits["test"]
+    assert all(fallback_split(t) == split for split, ts in splits.items() for t in ts)
+    # Every rank computes the split itself: it must not depend on the process (e.g. on Python's hash seed).
+    proc = subprocess.run([sys.executable, "-c", SPLITS_IN_A_FRESH_PROCESS, REPO, data], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == splits
+
+
+def test_filtered_rows_are_dropped_and_text_cleaned(wikihow_dir):
+    articles = [a for split in ("train", "validation", "test") for a in read_articles(wikihow_dir, split)]
+    assert len(articles) == TRAIN + VAL + TEST  # every other article is kept
+    assert not {t for t, _, _ in articles} & set(DROPPED)
+    for _, text, headline in articles:
+        assert ".," not in headline and headline.endswith(".")
+        for junk in ("\n", "Example of text:", "``", '"', ".,", " ,", "  "):
+            assert junk not in text and junk not in headline
+    first = read_articles(wikihow_dir, "train", 1)[0]
+    assert first[2] == "Use a sponge. Polish the guitar in small sections. Check it in daylight."
+
+
+def test_label_padding_is_minus_100(tokenizer, wikihow_dir):
+    dataset = wikihow(tokenizer, "validation", None, INPUT_LENGTH, OUTPUT_LENGTH, data_dir=wikihow_dir)
+    item = dataset[0]
+    assert set(item) == {"source_ids", "source_mask", "target_ids", "target_mask"}
+    mask, ids = dataset.target_mask, dataset.target_ids
+    assert ids.shape == (len(dataset), OUTPUT_LENGTH) and dataset.source_ids.shape == (len(dataset), INPUT_LENGTH)
+    assert (mask == 0).any() and (mask == 1).all(dim=1).any()  # some summaries padded, some truncated
+    assert torch.equal(ids == -100, mask == 0)
+    assert (dataset.source_ids[dataset.source_mask == 0] == tokenizer.pad_token_id).all()
+
+
+def incomplete_split_lists(tmp_path):
+    data = write_wikihow(tmp_path / "incomplete")
+    (data / "all_test.txt").unlink()
+    return data
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp_path: tmp_path, ["wikihowAll.csv not found", "ucsb.box.com", "Getting the data"]),
+    (no_columns_csv, ["lacks the column(s) headline", "headline, title, text"]),
+    (incomplete_split_lists, ["all_val.txt but not all of", "all_test.txt"]),
+], ids=["missing csv", "missing columns", "incomplete split lists"])
+def test_dataset_errors_say_what_to_do(tokenizer, tmp_path, make, message):
+    with pytest.raises(WikiHowError) as error:
+        wikihow(tokenizer, "train", None, INPUT_LENGTH, OUTPUT_LENGTH, data_dir=make(tmp_path))
+    assert all(m in str(error.value) for m in message) and "\n" not in str(error.value), error.value
+
+
+@pytest.mark.gpu
+def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
+    """World size 1 on a GPU: auto picks bf16 where the GPU has it; fp16 with the sharded grad scaler learns."""
+    for precision in ("auto", "fp16"):
+        run = torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
+                                          "--no-save-model"), nproc=1)
+        assert run.returncode == 0, run.output
+        assert run.metrics["device"] == "cuda" and run.metrics["backend"] == "nccl"
+        expected = ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32") \
+            if precision == "auto" else "fp16"
+        assert run.metrics["mixed_precision"] == expected
+        assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
+        assert "CUDA memory" in run.stdout
