@@ -250,6 +250,19 @@ def test_no_resume_starts_over(torchrun, tmp_path, reference):
     assert result.metrics["losses"] == reference.metrics["losses"][:10]
 
 
+def test_lr_sets_the_step_size(fsdp2_run, reference):
+    """Step 1's loss comes before any update, so it is the reference's; every later one depends on --lr."""
+    losses = fsdp2_run(*TINY, "--steps", 3, "--lr", 1e-4).metrics["losses"]
+    assert losses[0] == reference.metrics["losses"][0]
+    assert losses[1:] != pytest.approx(reference.metrics["losses"][1:3], rel=1e-4)
+
+
+def test_log_every_sets_the_printed_steps(reference):
+    """--log-every 5 over 20 steps: the first step, then every fifth (the last included)."""
+    printed = [int(line.split()[1]) for line in reference.stdout.splitlines() if line.startswith("step ")]
+    assert printed == [1, 5, 10, 15, 20]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--cpu-offload"], ["--cpu-offload", "needs a CUDA GPU"]),
     (["--dim", 30, "--n-heads", 4], ["--dim 30 is not divisible by --n-heads 4"]),

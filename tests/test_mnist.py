@@ -112,6 +112,17 @@ def test_seed_fixes_the_run(torchrun, mnist_dir, mnist_run):
     assert first.metrics["train_losses"][0] != pytest.approx(seed_1, rel=1e-4)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_lr_and_gamma_drive_the_optimizer(torchrun, mnist_dir, mnist_run, script):
+    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
+    result = torchrun(script, "--data-dir", mnist_dir, "--epochs", 2, *TINY, "--lr", 0.5, "--gamma", 0)
+    assert result.returncode == 0, result.output
+    default_lr = mnist_run(script, "--save-model").metrics["train_losses"][0]
+    assert result.metrics["train_losses"][0] != pytest.approx(default_lr, rel=1e-4)
+    test_lines = re.findall(r"Test set: .*", result.stdout)
+    assert len(test_lines) == 2 and test_lines[0] == test_lines[1], test_lines
+
+
 def test_dry_run_stops_after_one_batch(torchrun, mnist_dir):
     result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--dry-run")
     assert result.returncode == 0, result.output

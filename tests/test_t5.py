@@ -146,6 +146,14 @@ def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_
     assert val != pytest.approx(fp32, rel=1e-6)  # the policy really changed the arithmetic
 
 
+def test_lr_and_gamma_drive_the_optimizer(t5_run):
+    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
+    reference = t5_run(*REFERENCE, epochs=3).metrics["val_losses"]
+    val = t5_run("--lr", 0.005, "--gamma", 0, "--no-save-model", "--no-track-memory").metrics["val_losses"]
+    assert val[0] != pytest.approx(reference[0], rel=1e-4)
+    assert val[1] == val[0]
+
+
 def test_without_validation_the_last_epoch_is_saved(t5_run):
     run = t5_run("--no-run-validation", "--no-track-memory")
     assert "Validation Loss" not in run.stdout and "Process memory" not in run.stdout
