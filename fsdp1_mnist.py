@@ -19,10 +19,14 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
+import re
 import resource
+import shutil
 import socket
 import sys
+import tempfile
 import time
 
 import torch
@@ -41,8 +45,6 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
-# A collective that waits longer than this for a peer fails the job instead of hanging it.
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
@@ -66,6 +68,25 @@ def agree_on_error(error):
         fail(first)
 
 
+def output_dir_error(directory, flag):
+    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
+    that a bad path fails the run in seconds instead of after the last epoch."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+    except OSError as e:
+        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+    return None
+
+
+def peer_lost(error):
+    """Whether a failed collective means another rank stopped answering: gloo raises a RuntimeError naming
+    its transport, the other backends a DistError. (NCCL's watchdog usually ends the process itself.)"""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -85,14 +106,31 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+def idx_problem(path):
+    """Why path is not a complete IDX file of unsigned bytes (MNIST's format), or None. torchvision's
+    reader fails on such files with an empty AssertionError or a reshape error that names no file."""
+    with open(path, "rb") as f:
+        data = f.read()  # at most 47 MB
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        return f"{os.path.basename(path)} does not start with an IDX header"
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3])]
+    expected = 4 + 4 * len(dims) + math.prod(dims)
+    if len(data) != expected:
+        return f"{os.path.basename(path)} has {len(data)} bytes where its header says {expected}: truncated?"
+    return None
+
+
 def load_mnist(data_dir, local_rank):
     """Return the MNIST train and test sets, downloading them once per node if they are missing."""
     raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
     error = None
     if local_rank == 0 and not all(os.path.exists(os.path.join(raw_dir, f)) for f in MNIST_FILES):
+        new_dirs = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir) if not os.path.exists(d)]
         try:
             datasets.MNIST(data_dir, train=True, download=True)
         except Exception as e:
+            if new_dirs:  # the folders the failed download made, and any partial file in them
+                shutil.rmtree(new_dirs[0], ignore_errors=True)
             reason = str(e).strip().splitlines()[-1]
             error = (f"MNIST is not in {raw_dir} and downloading it failed ({reason}). On a machine with network "
                      f"run: python -c \"from torchvision.datasets import MNIST; MNIST('data', download=True)\" and "
@@ -101,10 +139,13 @@ def load_mnist(data_dir, local_rank):
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     try:
+        problem = next((p for p in map(idx_problem, (os.path.join(raw_dir, f) for f in MNIST_FILES)) if p), None)
+        if problem:
+            raise ValueError(problem)
         train_set = datasets.MNIST(data_dir, train=True, transform=transform)
         test_set = datasets.MNIST(data_dir, train=False, transform=transform)
     except Exception as e:
-        error = (f"cannot read MNIST from {raw_dir} ({' '.join(str(e).split())}); "
+        error = (f"cannot read MNIST from {raw_dir} ({' '.join(str(e).split()) or type(e).__name__}); "
                  "delete that folder to download it again.")
     agree_on_error(error)
     return train_set, test_set
@@ -180,6 +221,13 @@ def save_atomic(obj, path):
 def train_and_test(args, device):
     rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     use_cuda = device.type == "cuda"
+    metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
+    error = None
+    for directory, flag in ((args.save_model and os.getcwd(), "--save-model (./mnist_cnn.pt)"),
+                            (metrics_dir, "--metrics-json")):
+        if rank == 0 and directory and not error:
+            error = output_dir_error(directory, flag)
+    agree_on_error(error)
     train_set, test_set = load_mnist(args.data_dir, local_rank)
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     test_sampler = DistributedSampler(test_set, shuffle=False)
@@ -275,8 +323,18 @@ def main(args):
     torch.manual_seed(args.seed)
 
     try:
-        dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
         train_and_test(args, device)  # its model and optimizer are garbage once it returns
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # Said by every rank that notices: the rank that was lost may be rank 0.
+        reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo prefixes its source location
+        print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank died, hung or lost "
+              f"its network, or took longer than --dist-timeout {args.dist_timeout:g}s; see the other ranks' logs",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         # FSDP's units keep the process group alive through reference cycles. Free them now, while the
         # interpreter is fully alive: left to the exit, gloo's worker threads can abort a finished run
@@ -317,6 +375,13 @@ def positive_int(text):
     return value
 
 
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 if __name__ == "__main__":
     parser = RankZeroArgumentParser(description="PyTorch MNIST example with FSDP1 (FullyShardedDataParallel)",
                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -336,6 +401,9 @@ if __name__ == "__main__":
     parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                         help="processes to spawn when started with python (default: GPU count, or 2 on CPU); "
                              "under torchrun, --nproc_per_node decides")
+    parser.add_argument("--dist-timeout", type=positive_float, default=600, metavar="S",
+                        help="seconds a collective waits for the other ranks before the job fails (a lost or hung "
+                             "peer); must exceed the longest pause of one rank, such as the MNIST download")
     parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics to PATH (rank 0)")
     parser.add_argument("--auto-wrap-min-params", type=int, default=0, metavar="N",
                         help="wrap every submodule with at least N parameters in its own FSDP unit "

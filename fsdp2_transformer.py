@@ -10,6 +10,7 @@ Launch it with torchrun:
     torchrun --nproc_per_node 2 fsdp2_transformer.py                     # 2 CPU processes without GPUs
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
     torchrun --nproc_per_node 2 fsdp2_transformer.py --checkpoint-dir ckpt --save-every 50 --dcp-api
+    torchrun --nproc_per_node 2 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt  # restarts resume
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         fsdp2_transformer.py --dim 1024 --n-layers 16 --n-heads 16 --batch-size 256
 
@@ -26,6 +27,7 @@ import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -43,8 +45,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-# A collective that waits longer than this for a peer fails the job instead of hanging it.
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
 MODEL_FILE, OPTIMIZER_FILE, MARKER_FILE = "model.pt", "optimizer.pt", "COMPLETE"
 NUM_RULES = 4  # hidden permutations of the synthetic task
 
@@ -67,6 +67,25 @@ def agree_on_error(error):
     first = next((e for e in errors if e), None)
     if first:
         fail(first)
+
+
+def output_dir_error(directory, flag):
+    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
+    that a bad path fails the run in seconds instead of at its first save."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+    except OSError as e:
+        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+    return None
+
+
+def peer_lost(error):
+    """Whether a failed collective means another rank stopped answering: gloo raises a RuntimeError naming
+    its transport, the other backends a DistError. (NCCL's watchdog usually ends the process itself.)"""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -445,6 +464,13 @@ def load_checkpoint(model, optimizer, args):
 
 def train(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
+    error = None
+    for directory, flag in ((args.checkpoint_dir and os.path.abspath(args.checkpoint_dir), "--checkpoint-dir"),
+                            (metrics_dir, "--metrics-json")):
+        if rank == 0 and directory and not error:
+            error = output_dir_error(directory, flag)
+    agree_on_error(error)
     model = build_model(args, device, init_device_mesh(device.type, (world_size,)))
     check_sharding(model, args.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after fully_shard: it sees the DTensors
@@ -524,8 +550,18 @@ def main(args):
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
     try:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=DIST_TIMEOUT)
+        # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
         train(args, device)  # its model and optimizer are garbage once it returns
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # Said by every rank that notices: the rank that was lost may be rank 0.
+        reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo prefixes its source location
+        print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank died, hung or lost "
+              f"its network, or took longer than --dist-timeout {args.dist_timeout:g}s; see the other ranks' logs",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         # FSDP's modules keep the process group alive through reference cycles. Free them now, while the
         # interpreter is fully alive: left to the exit, gloo's worker threads can abort a finished run
@@ -548,6 +584,13 @@ def positive_int(text):
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -590,6 +633,9 @@ if __name__ == "__main__":
                         help="save a checkpoint every N steps, and at the last step (with --checkpoint-dir)")
     parser.add_argument("--no-resume", action="store_true", help="start from step 0 even if --checkpoint-dir has one")
     parser.add_argument("--log-every", type=positive_int, default=10, metavar="N", help="print every N steps")
+    parser.add_argument("--dist-timeout", type=positive_float, default=600, metavar="S",
+                        help="seconds a collective waits for the other ranks before the job fails (a lost or hung "
+                             "peer); must exceed the longest pause of one rank, such as a checkpoint write")
     parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics to PATH (rank 0)")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # started with python: one process

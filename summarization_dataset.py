@@ -80,6 +80,8 @@ def read_articles(data_dir, split, num_samples=None):
             titles = {normalize_title(line) for line in f if line.strip()}
 
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a parse error that the one below repeats
     try:
         # na_filter=False: an empty field stays "" instead of becoming NaN.
         table = datasets.load_dataset("csv", data_files=path, split="train", usecols=list(COLUMNS), na_filter=False,
@@ -87,6 +89,8 @@ def read_articles(data_dir, split, num_samples=None):
     except Exception as e:
         reason = " ".join(str(e.__cause__ or e).split())
         raise WikiHowError(f"cannot parse {path} as CSV ({reason[:300]}); download it again") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
     articles = []
     for batch in table.iter(batch_size=1000):

@@ -10,6 +10,8 @@ streaming full-state-dict save, plus sharded (DCP) checkpoints that a run resume
         --activation-checkpointing --checkpoint-type sharded --save-dir runs/t5
     torchrun --nproc_per_node 4 t5_fsdp_finetune.py --checkpoint-type sharded --save-dir runs/t5 \\
         --resume runs/t5 --epochs 4                                       # continue from the newest checkpoint
+    torchrun --nproc_per_node 4 --max-restarts 3 t5_fsdp_finetune.py --checkpoint-type sharded \
+        --save-dir runs/t5 --resume auto                                  # restarts resume at the last epoch
     torchrun --nproc_per_node 2 t5_fsdp_finetune.py --cpu --model-name tiny-t5 --input-length 64 \\
         --output-length 24 --num-train-samples 64 --num-val-samples 31    # CPU, gloo, a local model dir
 
@@ -27,6 +29,7 @@ import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 
@@ -62,8 +65,6 @@ from transformers.utils import logging as hf_logging
 
 from summarization_dataset import wikihow
 
-# A collective that waits longer than this for a peer fails the job instead of hanging it.
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
 TRAINER_STATE = "trainer_state.json"  # written last into a sharded checkpoint: marks it complete
 # The tutorial's four policies. FSDP keeps fp32 master weights; these set the compute (param),
 # gradient-communication (reduce) and buffer dtypes. A dtype left out is not cast.
@@ -93,6 +94,25 @@ def agree_on_error(error):
     first = next((e for e in errors if e), None)
     if first:
         fail(first)
+
+
+def output_dir_error(directory, flag):
+    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
+    that a bad path fails the run in seconds instead of after the first epoch."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+    except OSError as e:
+        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+    return None
+
+
+def peer_lost(error):
+    """Whether a failed collective means another rank stopped answering: gloo raises a RuntimeError naming
+    its transport, the other backends a DistError. (NCCL's watchdog usually ends the process itself.)"""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
 
 
 def one_line(error):
@@ -372,8 +392,15 @@ def train_and_validate(args, device):
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
 
     state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None, "train_losses": [], "val_losses": []}
-    if args.resume:
-        state = load_sharded_checkpoint(model, optimizer, args.resume)
+    resume = args.resume
+    if resume == "auto":  # the newest complete checkpoint of this --save-dir, if there is one yet
+        box = [find_checkpoint(args.save_dir) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        resume = box[0]
+        if not resume:
+            rank0_print(f"No checkpoint in {os.path.abspath(args.save_dir)} yet: starting from epoch 1")
+    if resume:
+        state = load_sharded_checkpoint(model, optimizer, resume)
         scheduler.load_state_dict(state["scheduler"])
         if scaler and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
@@ -381,9 +408,14 @@ def train_and_validate(args, device):
             fail(f"--resume: the checkpoint has finished epoch {state['epoch']} of --epochs {args.epochs}; "
                  "raise --epochs to train further")
     time_of_run = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
-    if args.save_model and rank == 0:
-        os.makedirs(args.save_dir, exist_ok=True)
-
+    # Checked, and --save-dir made, only now: a run stopped by bad input before this leaves nothing behind.
+    metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
+    error = None
+    for directory, flag in ((args.save_model and os.path.abspath(args.save_dir), "--save-dir"),
+                            (metrics_dir, "--metrics-json")):
+        if rank == 0 and directory and not error:
+            error = output_dir_error(directory, flag)
+    agree_on_error(error)
     start = time.perf_counter()
     epoch_times, train_time, trained_samples = [], 0.0, 0
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
@@ -457,8 +489,18 @@ def main(args):
     warnings.filterwarnings("ignore", message=r".*(_get_pg_default_device|Multiple backends are registered)")
 
     try:
-        dist.init_process_group(backend, timeout=DIST_TIMEOUT)
+        # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
         train_and_validate(args, device)  # its model and optimizer are garbage once it returns
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # Said by every rank that notices: the rank that was lost may be rank 0.
+        reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo prefixes its source location
+        print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank died, hung or lost "
+              f"its network, or took longer than --dist-timeout {args.dist_timeout:g}s; see the other ranks' logs",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
     finally:
         # FSDP's units keep the process group alive through reference cycles. Free them now, while the
         # interpreter is fully alive: left to the exit, gloo's worker threads can abort a finished run
@@ -481,6 +523,13 @@ def positive_int(text):
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -536,15 +585,21 @@ if __name__ == "__main__":
                         help="full: only the best model, gathered on rank 0; sharded: also a resumable DCP "
                              "checkpoint (model and optimizer shards, every rank writes its own) after every "
                              "epoch, in <save-dir>/checkpoint-epoch-N")
-    parser.add_argument("--resume", default=None, metavar="DIR",
+    parser.add_argument("--resume", default=None, metavar="DIR|auto",
                         help="continue from a sharded checkpoint: a checkpoint-epoch-N directory, or a --save-dir "
-                             "holding them (the newest complete one is used)")
+                             "holding them (the newest complete one is used); auto: the newest in --save-dir if "
+                             "there is one, else start afresh (for torchrun --max-restarts)")
     parser.add_argument("--save-dir", default=".", help="folder for saved models and checkpoints")
     parser.add_argument("--cpu", action="store_true", help="train on CPU with gloo even when GPUs are present")
+    parser.add_argument("--dist-timeout", type=positive_float, default=600, metavar="S",
+                        help="seconds a collective waits for the other ranks before the job fails (a lost or hung "
+                             "peer); must exceed the longest pause of one rank, such as tokenizing the dataset")
     parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics to PATH (rank 0)")
     args = parser.parse_args()
     if args.checkpoint_type == "sharded" and not args.save_model:
         parser.error("--checkpoint-type sharded writes checkpoints, which --no-save-model turns off")
+    if args.resume == "auto" and args.checkpoint_type != "sharded":
+        parser.error("--resume auto resumes from the checkpoints of --checkpoint-type sharded; add it")
     if "RANK" not in os.environ:
         parser.error("start it with torchrun, e.g. torchrun --nproc_per_node 2 t5_fsdp_finetune.py ...")
     main(args)

@@ -2,10 +2,12 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
@@ -13,6 +15,18 @@ from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"  # where torchrun's failure report starts
+
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}  # downloads fail at once
+
+# The tiny configurations the test files share: the same command line is one cached run (cached_torchrun).
+MNIST_TINY = ["--batch-size", "32", "--test-batch-size", "100"]
+FSDP2_TINY = ["--vocab-size", 64, "--dim", 32, "--seq-len", 16, "--batch-size", 8, "--log-every", 5]
+# FSDP2's reference run: 20 steps on 2 ranks, checkpoints at steps 10 and 20 in its own folder.
+FSDP2_REFERENCE = [*FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 10]
+T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31  # 31: DistributedSampler repeats one example
+T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH, "--num-train-samples", 128,
+           "--num-val-samples", T5_VAL_SAMPLES, "--lr", 0.01]
+T5_REFERENCE = ["--checkpoint-type", "sharded"]  # 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
 
 
 def pytest_configure(config):
@@ -25,6 +39,17 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offline_hf(tmp_path_factory):
+    """No hub access, and this session's own datasets cache (in this process and in every script run)."""
+    cache = tmp_path_factory.mktemp("hf_datasets_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(cache))):
+            patch.setenv(name, value)
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -115,3 +140,29 @@ def cached_torchrun(tmp_path_factory):
         return cache[key]
 
     return run
+
+
+def t5_args(model_dir, data_dir, epochs, *args):
+    return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *T5_TINY, *args]
+
+
+@pytest.fixture
+def fsdp2_reference(cached_torchrun):
+    """fsdp2_transformer.py's reference run (FSDP2_REFERENCE), which several test files read."""
+    result = cached_torchrun("fsdp2_transformer.py", *FSDP2_REFERENCE)
+    assert result.returncode == 0, result.output
+    return result
+
+
+@pytest.fixture
+def t5_reference(cached_torchrun, tiny_t5_dir, wikihow_dir):
+    """t5_fsdp_finetune.py's reference run: 3 epochs with sharded checkpoints, which several test files read."""
+    result = cached_torchrun("t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE))
+    assert result.returncode == 0, result.output
+    return result
+
+
+def copy_fsdp2_checkpoint(reference, step, dest):
+    """A --checkpoint-dir at dest holding the checkpoint of `step` of an fsdp2_transformer.py run."""
+    shutil.copytree(reference.cwd / "ckpt" / f"step_{step:06d}", dest / f"step_{step:06d}")
+    return dest

@@ -1,39 +1,21 @@
 """t5_fsdp_finetune.py and summarization_dataset.py on CPU (gloo): the offline WikiHow fixture and a tiny T5."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import datasets
 import pytest
 import torch
-from conftest import REPO, single_error_line
-from tiny_wikihow import DROPPED, TEST, TRAIN, VAL, split_titles, write_wikihow
+from conftest import REPO, T5_REFERENCE, single_error_line, t5_args
+from conftest import T5_INPUT_LENGTH as INPUT_LENGTH
+from conftest import T5_OUTPUT_LENGTH as OUTPUT_LENGTH
+from conftest import T5_VAL_SAMPLES as VAL_SAMPLES
+from tiny_wikihow import DROPPED, TEST, TRAIN, VAL, split_titles, write_csv_without_headline, write_wikihow
 
 sys.path.insert(0, str(REPO))
 from summarization_dataset import WikiHowError, fallback_split, read_articles, wikihow  # noqa: E402
 
 SCRIPT = "t5_fsdp_finetune.py"
-INPUT_LENGTH, OUTPUT_LENGTH, VAL_SAMPLES = 64, 24, 31  # 31: DistributedSampler repeats one example on 2 ranks
-TINY = ["--input-length", INPUT_LENGTH, "--output-length", OUTPUT_LENGTH, "--num-train-samples", 128,
-        "--num-val-samples", VAL_SAMPLES, "--lr", 0.01]
-REFERENCE = ["--checkpoint-type", "sharded"]  # 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
-
-
-@pytest.fixture(scope="session", autouse=True)
-def offline_hf(tmp_path_factory):
-    """No hub access, and this session's own datasets cache (in this process and in every script run)."""
-    cache = tmp_path_factory.mktemp("hf_datasets_cache")
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(cache))):
-            patch.setenv(name, value)
-        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
-        yield
-
-
-def tiny_args(model_dir, data_dir, epochs, *args):
-    return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *TINY, *args]
 
 
 @pytest.fixture
@@ -41,7 +23,7 @@ def t5_run(cached_torchrun, wikihow_dir, tiny_t5_dir):
     """A training run on 2 ranks with the tiny model; cached, so several tests read one run."""
 
     def run(*args, epochs=2):
-        result = cached_torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, epochs, *args))
+        result = cached_torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, epochs, *args))
         assert result.returncode == 0, result.output
         return result
 
@@ -56,7 +38,7 @@ def tokenizer(tiny_t5_dir):
 
 
 def test_validation_loss_falls_every_epoch(t5_run):
-    run = t5_run(*REFERENCE, epochs=3)
+    run = t5_run(*T5_REFERENCE, epochs=3)
     metrics = run.metrics
     assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
     assert metrics["mixed_precision"] == "fp32"  # what auto picks on CPU
@@ -94,7 +76,7 @@ print(json.dumps({"val_loss": val_loss, "same": same,
 
 def test_best_model_loads_in_a_fresh_process(t5_run, tiny_t5_dir, wikihow_dir):
     """The HF directory loads with from_pretrained, generates text, and gives the logged best validation loss."""
-    run = t5_run(*REFERENCE, epochs=3)
+    run = t5_run(*T5_REFERENCE, epochs=3)
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
     assert hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"]) and pt_file == hf_dir[: -len("-hf")] + ".pt"
     assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
@@ -114,7 +96,7 @@ def test_best_model_loads_in_a_fresh_process(t5_run, tiny_t5_dir, wikihow_dir):
 ], ids=" ".join)
 def test_fp32_options_give_the_same_losses(t5_run, options):
     """Same seed and data: sharding, prefetch and activation checkpointing do not change the epoch losses."""
-    reference = t5_run(*REFERENCE, epochs=3)
+    reference = t5_run(*T5_REFERENCE, epochs=3)
     run = t5_run(*options, "--mixed-precision", "fp32", "--no-save-model")
     checkpointed = 4 if "--activation-checkpointing" in options else 0  # 2 encoder + 2 decoder blocks
     assert f"activation checkpointing of {checkpointed} T5Blocks" in run.stdout
@@ -124,7 +106,7 @@ def test_fp32_options_give_the_same_losses(t5_run, options):
 
 
 def test_full_shard_halves_training_state(t5_run):
-    full = t5_run(*REFERENCE, epochs=3).metrics["train_state_bytes"]
+    full = t5_run(*T5_REFERENCE, epochs=3).metrics["train_state_bytes"]
     replicated = t5_run("--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE", "--mixed-precision", "fp32",
                         "--no-save-model").metrics["train_state_bytes"]
     assert full <= 0.55 * replicated, (full, replicated)
@@ -133,8 +115,8 @@ def test_full_shard_halves_training_state(t5_run):
 @pytest.mark.parametrize("precision", ["bf16", "grad-bf16", "fp16"])
 def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_dir, precision):
     """bf16 and grad-bf16 run on CPU; fp16 either runs or says in one line why it cannot."""
-    fp32 = t5_run(*REFERENCE, epochs=3).metrics["val_losses"][:2]
-    run = cached_torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
+    fp32 = t5_run(*T5_REFERENCE, epochs=3).metrics["val_losses"][:2]
+    run = cached_torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
                                              "--no-save-model"))
     if precision == "fp16" and run.returncode != 0:
         assert "fp16" in single_error_line(run)
@@ -148,7 +130,7 @@ def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_
 
 def test_lr_and_gamma_drive_the_optimizer(t5_run):
     """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
-    reference = t5_run(*REFERENCE, epochs=3).metrics["val_losses"]
+    reference = t5_run(*T5_REFERENCE, epochs=3).metrics["val_losses"]
     val = t5_run("--lr", 0.005, "--gamma", 0, "--no-save-model", "--no-track-memory").metrics["val_losses"]
     assert val[0] != pytest.approx(reference[0], rel=1e-4)
     assert val[1] == val[0]
@@ -157,7 +139,7 @@ def test_lr_and_gamma_drive_the_optimizer(t5_run):
 def test_without_validation_the_last_epoch_is_saved(t5_run):
     run = t5_run("--no-run-validation", "--no-track-memory")
     assert "Validation Loss" not in run.stdout and "Process memory" not in run.stdout
-    assert "Process memory" in t5_run(*REFERENCE, epochs=3).stdout
+    assert "Process memory" in t5_run(*T5_REFERENCE, epochs=3).stdout
     assert run.metrics["val_losses"] == [None, None] and run.metrics["val_loss"] is None
     assert [p.name for p in run.cwd.glob("T5-model-*.pt")] == [run.metrics["checkpoint_pt"].split("/")[-1]]
     assert run.metrics["checkpoint"].endswith("-2-hf") and (run.cwd / run.metrics["checkpoint"]).is_dir()
@@ -166,10 +148,10 @@ def test_without_validation_the_last_epoch_is_saved(t5_run):
 def test_resume_continues_the_same_trajectory(t5_run, torchrun, wikihow_dir, tiny_t5_dir):
     """1 epoch + --resume for the second = 2 epochs straight (the reference's epoch-1 checkpoint is what a
     1-epoch run writes: the learning rate and data order depend on the epoch number only)."""
-    reference = t5_run(*REFERENCE, epochs=3)
+    reference = t5_run(*T5_REFERENCE, epochs=3)
     checkpoint = reference.cwd / "checkpoint-epoch-1"
     assert (checkpoint / "trainer_state.json").exists() and not list(reference.cwd.glob("checkpoint-*.tmp"))
-    resumed = torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, *REFERENCE, "--resume", checkpoint))
+    resumed = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_REFERENCE, "--resume", checkpoint))
     assert resumed.returncode == 0, resumed.output
     assert "Train Epoch: \t1," not in resumed.stdout and "Train Epoch: \t2," in resumed.stdout
     assert resumed.metrics["val_losses"] == pytest.approx(reference.metrics["val_losses"][:2], rel=1e-5)
@@ -189,46 +171,13 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
 
 
-def corrupt_checkpoint(tmp_path, reference):
-    checkpoint = shutil.copytree(reference.cwd / "checkpoint-epoch-1", tmp_path / "corrupt")
-    shard = next(checkpoint.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:1000])
-    return checkpoint
-
-
-def no_columns_csv(tmp_path):
-    (tmp_path / "no_headline").mkdir()
-    (tmp_path / "no_headline" / "wikihowAll.csv").write_text("title,text\nHow to Sit,Sit down on a chair.\n")
-    return tmp_path / "no_headline"
-
-
-@pytest.mark.parametrize("option, value, expected", [
-    ("--data-dir", "{tmp}/empty", ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
-    ("--data-dir", "{no_columns}", ["no_headline/wikihowAll.csv", "lacks the column(s) headline"]),
-    ("--model-name", "{tmp}/no_model", ["--model-name", "no_model: no such directory"]),
-    ("--resume", "{corrupt}", ["--resume", "corrupt: cannot load it", "corrupted"]),
-], ids=["missing csv", "missing columns", "missing model", "corrupted checkpoint"])
-def test_bad_input_fails_cleanly(torchrun, t5_run, tmp_path, wikihow_dir, tiny_t5_dir, option, value, expected):
-    (tmp_path / "empty").mkdir()
-    paths = {"tmp": tmp_path, "no_columns": no_columns_csv(tmp_path)}
-    if option == "--resume":
-        paths["corrupt"] = corrupt_checkpoint(tmp_path, t5_run(*REFERENCE, epochs=3))
-    options = {"--model-name": tiny_t5_dir, "--data-dir": wikihow_dir, "--save-dir": tmp_path / "out",
-               option: value.format(**paths)}
-    result = torchrun(SCRIPT, *[x for pair in options.items() for x in pair], *TINY, timeout=120)
-    assert result.returncode != 0
-    error_line = single_error_line(result)
-    assert all(e in error_line for e in expected), error_line
-    assert result.metrics is None and not (tmp_path / "out").exists()
-
-
 def test_help_explains_every_flag():
     flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma",
              "--seed", "--num-train-samples", "--num-val-samples", "--input-length", "--output-length",
              "--sharding-strategy", "--backward-prefetch", "--mixed-precision", "--activation-checkpointing",
              "--limit-all-gathers", "--track-memory", "--no-track-memory", "--run-validation", "--no-run-validation",
              "--save-model", "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
-             "--metrics-json"]
+             "--dist-timeout", "--metrics-json"]
     proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
@@ -305,7 +254,7 @@ def incomplete_split_lists(tmp_path):
 
 @pytest.mark.parametrize("make, message", [
     (lambda tmp_path: tmp_path, ["wikihowAll.csv not found", "ucsb.box.com", "Getting the data"]),
-    (no_columns_csv, ["lacks the column(s) headline", "headline, title, text"]),
+    (write_csv_without_headline, ["lacks the column(s) headline", "headline, title, text"]),
     (incomplete_split_lists, ["all_val.txt but not all of", "all_test.txt"]),
 ], ids=["missing csv", "missing columns", "incomplete split lists"])
 def test_dataset_errors_say_what_to_do(tokenizer, tmp_path, make, message):
@@ -318,7 +267,7 @@ def test_dataset_errors_say_what_to_do(tokenizer, tmp_path, make, message):
 def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
     """World size 1 on a GPU: auto picks bf16 where the GPU has it; fp16 with the sharded grad scaler learns."""
     for precision in ("auto", "fp16"):
-        run = torchrun(SCRIPT, *tiny_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
+        run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
                                           "--no-save-model"), nproc=1)
         assert run.returncode == 0, run.output
         assert run.metrics["device"] == "cuda" and run.metrics["backend"] == "nccl"

@@ -92,6 +92,14 @@ def write_wikihow(root, split_files=True):
     return root
 
 
+def write_csv_without_headline(root):
+    """A --data-dir whose wikihowAll.csv lacks the headline column."""
+    folder = Path(root) / "no_headline"
+    folder.mkdir(parents=True)
+    (folder / "wikihowAll.csv").write_text("title,text\nHow to Sit,Sit down on a chair.\n")
+    return folder
+
+
 def train_vocab(lines, vocab_size):
     """A sentencepiece unigram vocabulary as [(piece, score)], with T5's ids: <pad> 0, </s> 1, <unk> 2."""
     import sentencepiece as spm

@@ -1,0 +1,161 @@
+"""Bad input, all four scripts, in one table.
+
+Every case runs the real script on 2 ranks and must fail within 60 s: a non-zero exit, exactly one
+`error:` line (from rank 0) that names the problem, no traceback, and nothing written: the run's
+folder is the same before and after.
+"""
+import shutil
+import time
+
+import pytest
+from conftest import FSDP2_TINY, MNIST_TINY, NO_NETWORK, copy_fsdp2_checkpoint, single_error_line, t5_args
+from tiny_wikihow import write_csv_without_headline
+
+BASE_ARGS = {  # a run that would succeed; each case appends what makes it fail (argparse: the last value wins)
+    "fsdp1_mnist.py": ["--data-dir", "{mnist}", "--epochs", 1, *MNIST_TINY, "--save-model"],
+    "ddp_mnist.py": ["--data-dir", "{mnist}", "--epochs", 1, *MNIST_TINY, "--save-model"],
+    "fsdp2_transformer.py": [*FSDP2_TINY, "--steps", 20],
+    "t5_fsdp_finetune.py": [*t5_args("{t5_model}", "{wikihow}", 1), "--save-dir", "out"],
+}
+
+CASES = [  # id, script, args, what the error line must say
+    ("MNIST missing", "fsdp1_mnist.py", ["--data-dir", "{tmp}/missing"],
+     ["missing/MNIST/raw", "downloading it failed", "--data-dir"]),
+    ("MNIST empty dir", "ddp_mnist.py", ["--data-dir", "{empty}"], ["empty/MNIST/raw", "downloading it failed"]),
+    ("MNIST truncated IDX", "fsdp1_mnist.py", ["--data-dir", "{truncated_idx}"],
+     ["cannot read MNIST", "truncated_idx/MNIST/raw", "train-images-idx3-ubyte has 1000 bytes", "truncated?"]),
+    ("MNIST malformed IDX header", "ddp_mnist.py", ["--data-dir", "{bad_idx_header}"],
+     ["cannot read MNIST", "bad_idx_header/MNIST/raw", "t10k-labels-idx1-ubyte does not start with an IDX header"]),
+    ("MNIST CPU offload without GPU", "fsdp1_mnist.py", ["--no-cuda", "--cpu-offload"], ["--cpu-offload", "GPU"]),
+    ("MNIST batch size 0", "ddp_mnist.py", ["--batch-size", 0], ["--batch-size", "positive integer, got 0"]),
+    ("MNIST unwritable metrics", "ddp_mnist.py", ["--metrics-json", "{a_file}/metrics.json"],
+     ["--metrics-json", "a_file is a file"]),
+    ("FSDP2 CPU offload without GPU", "fsdp2_transformer.py", ["--cpu-offload"], ["--cpu-offload", "needs a CUDA GPU"]),
+    ("FSDP2 dim vs heads", "fsdp2_transformer.py", ["--dim", 30, "--n-heads", 4],
+     ["--dim 30 is not divisible by --n-heads 4"]),
+    ("FSDP2 no steps", "fsdp2_transformer.py", ["--steps", 0], ["--steps", "must be a positive integer, got 0"]),
+    ("FSDP2 batch vs ranks", "fsdp2_transformer.py", ["--batch-size", 6, "--grad-accum-steps", 2],
+     ["--batch-size 6", "use a multiple of 4"]),
+    ("FSDP2 corrupted checkpoint", "fsdp2_transformer.py", ["--checkpoint-dir", "{fsdp2_truncated}", "--dcp-api"],
+     ["cannot read checkpoint file", "step_000010/optimizer.pt", "--no-resume"]),
+    ("FSDP2 checkpoint of another model size", "fsdp2_transformer.py",
+     ["--checkpoint-dir", "{fsdp2_checkpoint}", "--dim", 64], ["another model", "--dim 32", "--dim 64"]),
+    ("FSDP2 unwritable checkpoint dir", "fsdp2_transformer.py", ["--checkpoint-dir", "{a_file}"],
+     ["--checkpoint-dir", "a_file is a file"]),
+    ("T5 missing CSV", "t5_fsdp_finetune.py", ["--data-dir", "{empty}"],
+     ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
+    ("T5 missing columns", "t5_fsdp_finetune.py", ["--data-dir", "{no_headline}"],
+     ["no_headline/wikihowAll.csv", "lacks the column(s) headline"]),
+    ("T5 truncated CSV", "t5_fsdp_finetune.py", ["--data-dir", "{truncated_csv}"],
+     ["cannot parse", "truncated_csv/wikihowAll.csv as CSV", "EOF inside string", "download it again"]),
+    ("T5 CSV not UTF-8", "t5_fsdp_finetune.py", ["--data-dir", "{latin1_csv}"],
+     ["latin1_csv/wikihowAll.csv", "'utf-8' codec can't decode"]),
+    ("T5 missing model", "t5_fsdp_finetune.py", ["--model-name", "{tmp}/no_model"],
+     ["--model-name", "no_model: no such directory"]),
+    ("T5 directory without a model", "t5_fsdp_finetune.py", ["--model-name", "{empty}"],
+     ["cannot load a T5 model and tokenizer from the directory", "empty"]),
+    ("T5 corrupted checkpoint", "t5_fsdp_finetune.py", ["--resume", "{t5_corrupt}"],
+     ["--resume", "t5_corrupt: cannot load it", "corrupted"]),
+    ("T5 unwritable save dir", "t5_fsdp_finetune.py", ["--save-dir", "{a_file}/out"],
+     ["--save-dir", "a_file/out", "Not a directory"]),
+]
+
+
+def make_dir(path):
+    path.mkdir()
+    return path
+
+
+def make_file(path):
+    path.write_text("a file, where a directory is expected\n")
+    return path
+
+
+def copy_mnist(mnist_dir, dest, edit_name, edit):
+    raw = dest / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in (mnist_dir / "MNIST" / "raw").iterdir():
+        (raw / f.name).write_bytes(edit(f.read_bytes()) if f.name == edit_name else f.read_bytes())
+    return dest
+
+
+def copy_wikihow(wikihow_dir, dest, edit):
+    shutil.copytree(wikihow_dir, dest)
+    csv = dest / "wikihowAll.csv"
+    csv.write_bytes(edit(csv.read_bytes()))
+    return dest
+
+
+def cut_inside_a_quoted_field(csv_bytes):
+    """The file as a download cut short leaves it: ending inside a quoted field, half way through."""
+    opening_quote = csv_bytes.index(b',"', len(csv_bytes) // 2) + 1
+    return csv_bytes[:opening_quote + 5]
+
+
+def truncate_a_shard(t5_reference, dest):
+    checkpoint = shutil.copytree(t5_reference.cwd / "checkpoint-epoch-1", dest)
+    shard = next(checkpoint.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return checkpoint
+
+
+def truncated_optimizer_file(fsdp2_reference, dest):
+    folder = copy_fsdp2_checkpoint(fsdp2_reference, 10, dest)
+    optimizer_file = folder / "step_000010" / "optimizer.pt"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])
+    return folder
+
+
+# How each {placeholder} is made in the test's folder, from the fixtures it names (loaded only when used).
+INPUTS = {
+    "tmp": lambda tmp, f: tmp,
+    "empty": lambda tmp, f: make_dir(tmp / "empty"),
+    "a_file": lambda tmp, f: make_file(tmp / "a_file"),
+    "mnist": lambda tmp, f: f("mnist_dir"),
+    "truncated_idx": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "truncated_idx", "train-images-idx3-ubyte",
+                                               lambda data: data[:1000]),
+    "bad_idx_header": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "bad_idx_header", "t10k-labels-idx1-ubyte",
+                                                lambda data: b"\x00\x00\x00\x00" + data[4:]),
+    "fsdp2_truncated": lambda tmp, f: truncated_optimizer_file(f("fsdp2_reference"), tmp / "fsdp2_truncated"),
+    "fsdp2_checkpoint": lambda tmp, f: copy_fsdp2_checkpoint(f("fsdp2_reference"), 10, tmp / "fsdp2_checkpoint"),
+    "t5_model": lambda tmp, f: f("tiny_t5_dir"),
+    "wikihow": lambda tmp, f: f("wikihow_dir"),
+    "no_headline": lambda tmp, f: write_csv_without_headline(tmp),
+    "truncated_csv": lambda tmp, f: copy_wikihow(f("wikihow_dir"), tmp / "truncated_csv",
+                                                 cut_inside_a_quoted_field),
+    "latin1_csv": lambda tmp, f: copy_wikihow(f("wikihow_dir"), tmp / "latin1_csv",
+                                              lambda data: data.replace(b"Polish", "Pölish".encode("latin-1"))),
+    "t5_corrupt": lambda tmp, f: truncate_a_shard(f("t5_reference"), tmp / "t5_corrupt"),
+}
+
+
+class Inputs(dict):
+    """str.format_map mapping that makes each input the first time a case's arguments name it."""
+
+    def __init__(self, tmp_path, request):
+        super().__init__()
+        self.tmp_path, self.request = tmp_path, request
+
+    def __missing__(self, name):
+        self[name] = INPUTS[name](self.tmp_path, self.request.getfixturevalue)
+        return self[name]
+
+
+def folder_state(folder):
+    """Every path under folder, with size and modification time for files."""
+    return {(str(p.relative_to(folder)), None) if p.is_dir() else (str(p.relative_to(folder)), p.stat().st_size,
+                                                                   p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("script, args, expected", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_fails_cleanly(torchrun, tmp_path, request, script, args, expected):
+    inputs = Inputs(tmp_path, request)
+    command = [str(a).format_map(inputs) for a in [*BASE_ARGS[script], *args]]
+    before = folder_state(tmp_path)
+    start = time.perf_counter()
+    result = torchrun(script, *command, timeout=60, env=NO_NETWORK)
+    elapsed = time.perf_counter() - start
+    assert result.returncode != 0 and elapsed < 60
+    error_line = single_error_line(result)
+    assert all(e in error_line for e in expected), error_line
+    assert folder_state(tmp_path) == before, "the failed run wrote files"
