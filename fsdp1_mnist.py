@@ -236,10 +236,15 @@ def train_and_test(args, device):
     test_loader = DataLoader(test_set, batch_size=args.test_batch_size, sampler=test_sampler, **loader_kwargs)
 
     strategy = ShardingStrategy[args.sharding_strategy]
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if strategy == ShardingStrategy.HYBRID_SHARD and local_world_size == 1 < world_size:
+        # One process per node leaves nothing to shard within a node. FSDP1 would clamp the size-1 shard group
+        # to NO_SHARD and then never all-reduce across the nodes: every node would train on its own.
+        rank0_print("HYBRID_SHARD with one process per node only replicates: using NO_SHARD over all ranks")
+        strategy = ShardingStrategy.NO_SHARD
     mesh = None
     if strategy == ShardingStrategy.HYBRID_SHARD:
         # Shard within a node, replicate across nodes: a (nodes, processes per node) mesh.
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size))
     model = FSDP(
         Net(),  # built on CPU; FSDP moves it to device_id one unit at a time
@@ -299,7 +304,7 @@ def train_and_test(args, device):
             "backend": dist.get_backend(), "train_loss": train_losses[-1], "train_losses": train_losses,
             "test_loss": test_loss, "accuracy": accuracy, "wall_s": wall_s, "epoch_times": epoch_times,
             "train_state_bytes": state_bytes, "peak_memory_bytes": peak, "checkpoint": checkpoint,
-            "sharding_strategy": args.sharding_strategy, "auto_wrap_min_params": args.auto_wrap_min_params,
+            "sharding_strategy": strategy.name, "auto_wrap_min_params": args.auto_wrap_min_params,
         }
         tmp = f"{args.metrics_json}.tmp"
         with open(tmp, "w") as f:

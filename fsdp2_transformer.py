@@ -527,6 +527,21 @@ def train(args, device):
         os.replace(tmp, args.metrics_json)
 
 
+def init_process_group(backend, timeout):
+    """dist.init_process_group, with each torchrun restart's keys apart in torchrun's store.
+
+    torchrun (torch 2.15) keeps one store for all the restarts that --max-restarts allows, and no longer
+    gives each restart's keys their own prefix: the restarted workers would read the addresses of the
+    workers they replace and fail with "Connection refused". So under torchrun the keys get one."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{restart}", store), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main(args):
     local_rank, world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -551,7 +566,7 @@ def main(args):
 
     try:
         # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
+        init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
         train(args, device)  # its model and optimizer are garbage once it returns
     except RuntimeError as e:
         if not peer_lost(e):

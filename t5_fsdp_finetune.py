@@ -359,9 +359,14 @@ def train_and_validate(args, device):
 
     precision = mixed_precision_choice(args.mixed_precision, device)
     strategy = ShardingStrategy[args.sharding_strategy]
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if strategy == ShardingStrategy.HYBRID_SHARD and local_world_size == 1 < world_size:
+        # One process per node leaves nothing to shard within a node. FSDP1 would clamp the size-1 shard group
+        # to NO_SHARD and then never all-reduce across the nodes: every node would train on its own.
+        rank0_print("HYBRID_SHARD with one process per node only replicates: using NO_SHARD over all ranks")
+        strategy = ShardingStrategy.NO_SHARD
     # HYBRID_SHARD shards within a node and replicates across nodes: a (nodes, processes per node) mesh.
     # With a mesh, FSDP1's sharded state dicts hold DTensors instead of the deprecated ShardedTensors.
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
                             if strategy == ShardingStrategy.HYBRID_SHARD else (world_size,))
     model = FSDP(
@@ -385,7 +390,7 @@ def train_and_validate(args, device):
             checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     units = sum(isinstance(m, FSDP) for m in model.modules())
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    rank0_print(f"FSDP: {units} units, {args.sharding_strategy}, backward prefetch {args.backward_prefetch}, "
+    rank0_print(f"FSDP: {units} units, {strategy.name}, backward prefetch {args.backward_prefetch}, "
                 f"mixed precision {precision}, activation checkpointing of {checkpointed} T5Blocks")
     optimizer = optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
@@ -465,11 +470,26 @@ def train_and_validate(args, device):
             "val_losses": state["val_losses"], "wall_s": wall_s, "epoch_times": epoch_times,
             "samples_per_s": samples_per_s, "train_state_bytes": state_bytes, "peak_memory_bytes": peak,
             "checkpoint": best and f"{best}-hf", "checkpoint_pt": best and f"{best}.pt",
-            "mixed_precision": precision, "sharding_strategy": args.sharding_strategy,
+            "mixed_precision": precision, "sharding_strategy": strategy.name,
         }
         with open(f"{args.metrics_json}.tmp", "w") as f:
             json.dump(metrics, f, indent=2)
         os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
+
+
+def init_process_group(backend, timeout):
+    """dist.init_process_group, with each torchrun restart's keys apart in torchrun's store.
+
+    torchrun (torch 2.15) keeps one store for all the restarts that --max-restarts allows, and no longer
+    gives each restart's keys their own prefix: the restarted workers would read the addresses of the
+    workers they replace and fail with "Connection refused". So under torchrun the keys get one."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{restart}", store), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def main(args):
@@ -490,7 +510,7 @@ def main(args):
 
     try:
         # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
+        init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
         train_and_validate(args, device)  # its model and optimizer are garbage once it returns
     except RuntimeError as e:
         if not peer_lost(e):

@@ -1,0 +1,168 @@
+"""Faults, caused from outside the scripts: a worker killed mid-run or mid-checkpoint under torchrun's
+elastic restart, and a hung peer under a short --dist-timeout."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import FSDP2_TINY, MNIST_TINY, REPO, T5_REFERENCE, TORCHRUN_REPORT, t5_args
+
+LOST_PEER_TIMEOUT = 5  # --dist-timeout of the hung-peer test, in seconds
+
+
+def launch(cwd, script, *args, nproc=2, max_restarts=0):
+    """Start torchrun in the background; its output goes to cwd/stdout.txt and cwd/stderr.txt."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
+               "--max-restarts", max_restarts, REPO / script, *args,
+               "--metrics-json", "metrics.json"]
+    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
+        return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err)
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def workers(agent):
+    """{rank: pid} of the worker processes torchrun has started (its children, with RANK set)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:  # gone meanwhile
+            continue
+        if parent == agent.pid and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(pid)
+    return found
+
+
+def running_workers(agent, nproc=2):
+    deadline = time.monotonic() + 60
+    while len(found := workers(agent)) < nproc:
+        assert time.monotonic() < deadline and agent.poll() is None, "the workers did not start"
+        time.sleep(0.05)
+    return found
+
+
+def exited(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+def finish(agent, cwd, timeout=240):
+    agent.wait(timeout=timeout)
+    return (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+
+
+def load(folder):
+    return [torch.load(folder / name, weights_only=True) for name in ("model.pt", "optimizer.pt")]
+
+
+def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tmp_path, fsdp2_reference):
+    """torchrun --max-restarts 1; rank 0 (the one that writes) is SIGKILLed while a checkpoint is half-written.
+    The restarted workers resume from the newest complete checkpoint and end with the uninterrupted run's state."""
+    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt",
+                   "--save-every", 1, max_restarts=1)
+    try:
+        rank0 = running_workers(agent)[0]
+        checkpoints, killed = tmp_path / "ckpt", None
+        while killed is None and agent.poll() is None:
+            if not list(checkpoints.glob("step_*.tmp")):
+                time.sleep(0.0005)
+                continue
+            os.kill(rank0, signal.SIGSTOP)  # freeze the writer, then look again: the rename may have happened
+            half_written = sorted(checkpoints.glob("step_*.tmp"))
+            complete = sorted(p for p in checkpoints.glob("step_*[0-9]") if (p / "COMPLETE").exists())
+            if half_written and complete:
+                killed = (half_written[0], complete[-1])
+                os.kill(rank0, signal.SIGKILL)
+            else:
+                os.kill(rank0, signal.SIGCONT)
+        stdout, stderr = finish(agent, tmp_path)
+    finally:
+        agent.kill()
+    assert killed, "the run ended before a checkpoint write could be interrupted"
+    half_written, previous = killed
+    assert agent.returncode == 0, stderr
+    step = int(previous.name[5:])
+    assert half_written.name == f"step_{step + 1:06d}.tmp"
+    assert stdout.count("No checkpoint in ckpt: starting from step 0") == 1  # the first attempt
+    assert f"Resumed from {previous} at step {step}" in stdout  # the restarted one
+    assert not list(checkpoints.glob("*.tmp"))
+    final, expected = load(checkpoints / "step_000020"), load(fsdp2_reference.cwd / "ckpt" / "step_000020")
+    assert final[0].keys() == expected[0].keys() and all(torch.equal(final[0][k], expected[0][k]) for k in final[0])
+    for name, state in expected[1]["state"].items():
+        assert all(torch.equal(final[1]["state"][name][k], v) for k, v in state.items()), name
+
+
+def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference, tiny_t5_dir,
+                                                                     wikihow_dir):
+    """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed once epoch 1's sharded checkpoint is
+    complete; the restarted run goes on from it and saves the uninterrupted run's epoch-3 model."""
+    agent = launch(tmp_path, "t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE),
+                   "--resume", "auto", max_restarts=1)
+    try:
+        ranks = running_workers(agent)
+        wait_for(lambda: (tmp_path / "checkpoint-epoch-1" / "trainer_state.json").exists(), 120, "epoch 1")
+        for pid in ranks.values():  # freeze both, so that the newest complete checkpoint cannot change
+            os.kill(pid, signal.SIGSTOP)
+        epochs = [int(p.name.rsplit("-", 1)[1]) for p in tmp_path.glob("checkpoint-epoch-*[0-9]")
+                  if (p / "trainer_state.json").exists()]
+        os.kill(ranks[1], signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGCONT)  # torchrun stops it
+        stdout, stderr = finish(agent, tmp_path)
+    finally:
+        agent.kill()
+    assert agent.returncode == 0, stderr
+    assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
+    assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout  # --save-dir .
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["val_losses"] == pytest.approx(t5_reference.metrics["val_losses"], rel=1e-6)
+    final = torch.load(metrics["checkpoint_pt"], weights_only=True)
+    expected = torch.load(t5_reference.metrics["checkpoint_pt"], weights_only=True)
+    assert final.keys() == expected.keys()
+    assert all(torch.allclose(final[k], expected[k], rtol=1e-5, atol=1e-7) for k in final)
+
+
+@pytest.mark.parametrize("script", ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py"])
+def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path, request, script):
+    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout and the
+    job fails with one line saying so, instead of waiting for ever."""
+    if script.endswith("mnist.py"):
+        args, started = ["--data-dir", request.getfixturevalue("mnist_dir"), "--epochs", 50, *MNIST_TINY], "Train Epoch"
+    elif script == "fsdp2_transformer.py":
+        args, started = ["--steps", 1_000_000], "step 1 |"
+    else:
+        model, data = request.getfixturevalue("tiny_t5_dir"), request.getfixturevalue("wikihow_dir")
+        args, started = [*t5_args(model, data, 50), "--no-save-model"], "FSDP: "
+    agent = launch(tmp_path, script, *args, "--dist-timeout", LOST_PEER_TIMEOUT)
+    try:
+        ranks = running_workers(agent)
+        wait_for(lambda: started in (tmp_path / "stdout.txt").read_text(), 120, "training to start")
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: exited(ranks[0]), LOST_PEER_TIMEOUT + 30, "rank 0 to give up")
+        waited = time.monotonic() - stopped
+        os.kill(ranks[1], signal.SIGKILL)  # torchrun would only kill a stopped process after its 30 s grace
+        _, stderr = finish(agent, tmp_path, timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode != 0
+    assert LOST_PEER_TIMEOUT - 1 <= waited < LOST_PEER_TIMEOUT + 10, waited
+    worker_stderr = stderr.split(TORCHRUN_REPORT)[0]
+    errors = [line for line in worker_stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in worker_stderr, worker_stderr
+    assert errors[0].startswith("error: rank 0: a collective failed (") and "--dist-timeout 5s" in errors[0]
