@@ -115,6 +115,32 @@ def mnist_train_samples(data_dir):
         return int.from_bytes(f.read(8)[4:], "big")
 
 
+def figures_of(config, metrics, stdout):
+    """One run's figures, in the units of the tables (which show their medians over the runs).
+
+    Raises KeyError when the metrics file lacks a figure.
+    """
+    figures = {"state_mib": metrics["train_state_bytes"] / MIB, "peak_mib": metrics["peak_memory_bytes"] / MIB}
+    if config["benchmark"] == "mnist":
+        figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
+        # DistributedSampler pads the training set to a multiple of the world size: every rank trains on
+        # ceil(N / world size) samples an epoch.
+        world_size = config["world_size"]
+        samples = math.ceil(mnist_train_samples(config["data_dir"]) / world_size) * world_size
+        figures["samples_per_s"] = samples / figures["epoch_s"]
+        if config["device"] == "cuda":  # printed, not in the metrics file: training time of all epochs
+            event = re.search(r"CUDA event elapsed time: ([\d.]+)sec", stdout)
+            figures["cuda_event_s"] = float(event.group(1)) if event else None
+    elif config["benchmark"] == "fsdp2":
+        figures["tokens_per_s"] = metrics["tokens_per_s"]
+        figures["step_ms"] = 1000 * FSDP2_BATCH * FSDP2_SEQ_LEN / metrics["tokens_per_s"]
+    else:
+        figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
+        figures["samples_per_s"] = metrics["samples_per_s"]
+        figures["precision_used"] = metrics["mixed_precision"]  # bf16 falls back to fp32 without native bf16
+    return figures
+
+
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), metavar="NAME",
@@ -196,8 +222,9 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                                     ("FSDP1 FULL_SHARD, auto-wrap 20000", "fsdp1_mnist.py",
                                      ["--auto-wrap-min-params", "20000"])]:
             configs.append({"benchmark": "mnist", "device": device, "world_size": 2 if on_cpu else 1, "name": name,
-                            "script": script, "args": ["--data-dir", str(mnist_dir), "--epochs", str(args.mnist_epochs),
-                                                       *flags, *(["--no-cuda"] if on_cpu else [])]})
+                            "data_dir": mnist_dir, "script": script,
+                            "args": ["--data-dir", str(mnist_dir), "--epochs", str(args.mnist_epochs), *flags,
+                                     *(["--no-cuda"] if on_cpu else [])]})
     if "fsdp2" in args.only:
         for world_size in fsdp2_world_sizes if on_cpu else [1]:
             for name in args.fsdp2_options:
@@ -246,38 +273,25 @@ for config in configs:
                "name": config["name"], "repeat": repeat, "command": command, "returncode": proc.returncode,
                "seconds": time.perf_counter() - run_start, "metrics": None, "figures": None}
         runs.append(run)
+        error = None
         if proc.returncode != 0 or not metrics_path.exists():
-            run["stderr_tail"] = stderr_tail(stderr)
-            failures.append(run)
-            log(f"\nFAILED: {label}, run {repeat}/{args.repeats}, exit status {proc.returncode}"
-                f"{'' if proc.returncode else ' but no metrics file'}\ncommand: {' '.join(command)}\n"
-                f"--- end of its stderr ---\n{run['stderr_tail']}\n--- the remaining runs of this configuration "
-                "are skipped ---\n")
-            break
-        metrics = run["metrics"] = json.loads(metrics_path.read_text())
-
-        # The figures of this run, in the units of the tables; the tables show their medians over runs.
-        figures = {"state_mib": metrics["train_state_bytes"] / MIB, "peak_mib": metrics["peak_memory_bytes"] / MIB}
-        if config["benchmark"] == "mnist":
-            figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
-            # DistributedSampler pads the training set to a multiple of the world size: every rank trains
-            # on ceil(N / world size) samples an epoch.
-            samples = math.ceil(mnist_train_samples(mnist_dir) / config["world_size"]) * config["world_size"]
-            figures["samples_per_s"] = samples / figures["epoch_s"]
-            if config["device"] == "cuda":  # printed, not in the metrics file: training time, all epochs
-                event = re.search(r"CUDA event elapsed time: ([\d.]+)sec", stdout)
-                figures["cuda_event_s"] = float(event.group(1)) if event else None
-        elif config["benchmark"] == "fsdp2":
-            figures["tokens_per_s"] = metrics["tokens_per_s"]
-            figures["step_ms"] = 1000 * FSDP2_BATCH * FSDP2_SEQ_LEN / metrics["tokens_per_s"]
+            error = f"exit status {proc.returncode}" + ("" if proc.returncode else " but no metrics file")
         else:
-            figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
-            figures["samples_per_s"] = metrics["samples_per_s"]
-            figures["precision_used"] = metrics["mixed_precision"]  # bf16 falls back to fp32 without native bf16
-        run["figures"] = figures
-        config["figures"].append(figures)
+            run["metrics"] = json.loads(metrics_path.read_text())
+            try:
+                run["figures"] = figures_of(config, run["metrics"], stdout)
+            except KeyError as e:
+                error = f"its metrics file has no {e} (has the script changed?)"
+        if error:
+            run["error"], run["stderr_tail"] = error, stderr_tail(stderr)
+            failures.append(run)
+            log(f"\nFAILED: {label}, run {repeat}/{args.repeats}, {error}\ncommand: {shlex.join(command)}\n"
+                f"--- end of its stderr ---\n{run['stderr_tail']}\n"
+                "--- the remaining runs of this configuration are skipped ---\n")
+            break
+        config["figures"].append(run["figures"])
         log(f"    {run['seconds']:.1f} s: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                      for k, v in figures.items()))
+                                                      for k, v in run["figures"].items()))
     config["failed"] = len(config["figures"]) < args.repeats
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -313,8 +327,8 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
     where = "CPU, gloo" if device == "cpu" else "GPU, NCCL, world size 1"
     if "mnist" in args.only:
         ddp = find("mnist", device, name="DDP")
-        headers = ["configuration", "world size", "train state / rank (MiB)", "vs DDP", peak_label[device],
-                   "epoch time (s)", "vs DDP", "train samples/s"] + (["CUDA-event time, all epochs (s)"]
+        headers = ["configuration", "world size", "train state / rank (MiB)", "state vs DDP", peak_label[device],
+                   "epoch time (s)", "time vs DDP", "train samples/s"] + (["CUDA-event time, all epochs (s)"]
                                                                      if device == "cuda" else [])
         rows = []
         for c in configs:
@@ -334,7 +348,7 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                    else "") + "\n",
                 markdown_table(headers, rows)]
     if "fsdp2" in args.only:
-        headers = ["world size", "options", "train state / rank (MiB)", "vs world size 1", "ideal 1/N",
+        headers = ["world size", "options", "train state / rank (MiB)", "state vs world size 1", "ideal 1/N",
                    peak_label[device], "time / step (ms)", "tokens/s", "tokens/s vs plain"]
         rows = []
         for c in configs:
@@ -359,8 +373,8 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
         base = find("t5", device, strategy="FULL_SHARD", prefetch="BACKWARD_PRE", precision="fp32")
         no_shard = find("t5", device, strategy="NO_SHARD", prefetch="BACKWARD_PRE", precision="fp32")
         headers = ["sharding strategy", "backward prefetch", "precision", "world size", "train state / rank (MiB)",
-                   "vs NO_SHARD", peak_label[device], "epoch time (s)", "train samples/s",
-                   "vs FULL_SHARD BACKWARD_PRE fp32"]
+                   "state vs NO_SHARD", peak_label[device], "epoch time (s)", "train samples/s",
+                   "samples/s vs FULL_SHARD BACKWARD_PRE fp32"]
         rows = []
         for c in configs:
             if c["benchmark"] != "t5" or c["device"] != device:
@@ -394,5 +408,5 @@ if failures:
     log(f"{len(failures)} run(s) FAILED (their stderr is shown above):")
     for run in failures:
         log(f"  {run['benchmark']} {run['device']} world size {run['world_size']} {run['name']}, "
-            f"run {run['repeat']}: exit status {run['returncode']}")
+            f"run {run['repeat']}: {run['error']}")
     sys.exit(1)
