@@ -153,16 +153,16 @@ parser.add_argument("--out", default=None, metavar="FILE", help="also write the 
 parser.add_argument("--raw-json", default=None, metavar="FILE",
                     help="write every run (command, metrics JSON, the figures taken from it) to FILE")
 parser.add_argument("--mnist-dir", default=None, metavar="DIR",
-                    help="folder holding MNIST/raw (default: the digits fixture of the tests, in a temporary folder)")
+                    help="folder holding MNIST/raw (unset: the tests' digits fixture, in a temporary folder)")
 parser.add_argument("--wikihow-dir", default=None, metavar="DIR",
-                    help="folder with wikihowAll.csv (default: the WikiHow fixture of the tests)")
+                    help="folder with wikihowAll.csv (unset: the tests' WikiHow fixture, in a temporary folder)")
 parser.add_argument("--t5-model", default=None, metavar="DIR_OR_ID",
-                    help="T5 model directory or hub id (default: the tiny T5 fixture of the tests)")
+                    help="T5 model directory or hub id (unset: the tests' tiny T5 fixture, in a temporary folder)")
 parser.add_argument("--mnist-epochs", type=int, default=3, metavar="N", help="epochs per MNIST run")
 parser.add_argument("--fsdp2-steps", type=int, default=100, metavar="N", help="optimizer steps per FSDP2 run")
 parser.add_argument("--t5-epochs", type=int, default=3, metavar="N", help="epochs per T5 run")
 parser.add_argument("--fsdp2-world-sizes", nargs="+", type=int, default=None, metavar="N",
-                    help="FSDP2 world sizes (default: 1 2, and 4 when there are at least 4 CPU cores)")
+                    help="FSDP2 world sizes on CPU (unset: 1 2, and 4 when there are at least 4 CPU cores)")
 parser.add_argument("--fsdp2-options", nargs="+", choices=list(FSDP2_OPTIONS), default=list(FSDP2_OPTIONS),
                     metavar="OPTION", help=f"FSDP2 configurations, any of {', '.join(FSDP2_OPTIONS)}")
 parser.add_argument("--no-gpu", action="store_true", help="skip the GPU runs even when a CUDA GPU is visible")
@@ -172,9 +172,11 @@ if args.repeats < 3 and not args.smoke:
     parser.error(f"--repeats {args.repeats}: a median needs at least 3 runs; pass --smoke to run fewer anyway")
 if args.repeats < 1:
     parser.error("--repeats must be at least 1")
-for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs"):
+for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs", "timeout"):
     if getattr(args, flag) < 1:
         parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+if args.fsdp2_world_sizes and min(args.fsdp2_world_sizes) < 1:
+    parser.error("--fsdp2-world-sizes must be at least 1")
 
 started = time.perf_counter()
 cores = os.cpu_count() or 1
@@ -277,11 +279,17 @@ for config in configs:
         if proc.returncode != 0 or not metrics_path.exists():
             error = f"exit status {proc.returncode}" + ("" if proc.returncode else " but no metrics file")
         else:
-            run["metrics"] = json.loads(metrics_path.read_text())
-            try:
-                run["figures"] = figures_of(config, run["metrics"], stdout)
-            except KeyError as e:
-                error = f"its metrics file has no {e} (has the script changed?)"
+            metrics = run["metrics"] = json.loads(metrics_path.read_text())
+            # A script that fell back to another device would put its figures in the wrong table.
+            ran_on = (metrics.get("device"), metrics.get("world_size"))
+            if ran_on != (config["device"], config["world_size"]):
+                error = (f"it ran on {ran_on[0]} at world size {ran_on[1]}, not on {config['device']} at world "
+                         f"size {config['world_size']}")
+            else:
+                try:
+                    run["figures"] = figures_of(config, metrics, stdout)
+                except KeyError as e:
+                    error = f"its metrics file has no {e} (has the script changed?)"
         if error:
             run["error"], run["stderr_tail"] = error, stderr_tail(stderr)
             failures.append(run)
@@ -298,9 +306,11 @@ for config in configs:
 
 
 def median(config, key):
-    """The median over a configuration's runs, or None when it failed or a run lacks the figure."""
+    """The median over a configuration's runs; None when it was not run or failed, or a run lacks the figure."""
+    if config is None or config["failed"]:
+        return None
     values = [f[key] for f in config["figures"]]
-    return None if config["failed"] or None in values else statistics.median(values)
+    return None if None in values else statistics.median(values)
 
 
 def find(benchmark, device, **fields):
@@ -358,10 +368,10 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
             plain = find("fsdp2", device, world_size=c["world_size"], name="plain")
             rows.append([c["world_size"], c["name"] + (" (FAILED)" if c["failed"] else ""),
                          fmt(median(c, "state_mib"), ".3f"),
-                         fmt(ratio(median(c, "state_mib"), single and median(single, "state_mib")), ".3f"),
+                         fmt(ratio(median(c, "state_mib"), median(single, "state_mib")), ".3f"),
                          f"{1 / c['world_size']:.3f}", fmt(median(c, "peak_mib"), ".1f"),
                          fmt(median(c, "step_ms"), ".2f"), fmt(median(c, "tokens_per_s"), ",.0f"),
-                         fmt(ratio(median(c, "tokens_per_s"), plain and median(plain, "tokens_per_s")), ".2f")])
+                         fmt(ratio(median(c, "tokens_per_s"), median(plain, "tokens_per_s")), ".2f")])
         out += [f"\n### FSDP2: fully_shard on the small Transformer ({where})\n",
                 f"Default model (vocab 128, dim 64, 2 layers, 4 heads), global batch {FSDP2_BATCH} x "
                 f"{FSDP2_SEQ_LEN} tokens, {args.fsdp2_steps} steps; {runs_said}. tokens/s and time / step cover "
