@@ -81,10 +81,20 @@ def rank0_print(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def fail(message):
-    """Stop this rank with exit code 1; rank 0 says what is wrong in one line, without a traceback."""
-    rank0_print(f"error: {message}", file=sys.stderr)
+def fail(message, node_local=False):
+    """Stop this rank with exit code 1. Rank 0 says what is wrong in one line, without a traceback (with
+    node_local, each node's local rank 0 does: for a problem of one node)."""
+    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        wait_for_rank0_to_report()
     sys.exit(1)
+
+
+def wait_for_rank0_to_report():
+    """torchrun stops every worker as soon as one fails: a rank that left first could have rank 0 killed before
+    it prints why. Rank 0 exits right after its line, and torchrun then stops the ranks still waiting here."""
+    time.sleep(10)
 
 
 def agree_on_error(error):
@@ -495,9 +505,10 @@ def init_process_group(backend, timeout):
 def main(args):
     local_rank = int(os.environ["LOCAL_RANK"])
     use_cuda = torch.cuda.is_available() and not args.cpu
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        fail(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this node; "
-             "start at most that many processes per node.")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if use_cuda and local_world_size > torch.cuda.device_count():
+        fail(f"{local_world_size} processes on this node but {torch.cuda.device_count()} GPUs visible; start at most "
+             "one process per GPU (torchrun --nproc_per_node).", node_local=True)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
@@ -536,6 +547,7 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         if int(os.environ.get("RANK", "0")) == 0:
             super().error(message)
+        wait_for_rank0_to_report()
         sys.exit(2)
 
 

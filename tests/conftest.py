@@ -146,7 +146,7 @@ def t5_args(model_dir, data_dir, epochs, *args):
     return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *T5_TINY, *args]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def fsdp2_reference(cached_torchrun):
     """fsdp2_transformer.py's reference run (FSDP2_REFERENCE), which several test files read."""
     result = cached_torchrun("fsdp2_transformer.py", *FSDP2_REFERENCE)
@@ -154,7 +154,7 @@ def fsdp2_reference(cached_torchrun):
     return result
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def t5_reference(cached_torchrun, tiny_t5_dir, wikihow_dir):
     """t5_fsdp_finetune.py's reference run: 3 epochs with sharded checkpoints, which several test files read."""
     result = cached_torchrun("t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE))

@@ -9,9 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import FSDP2_TINY, MNIST_TINY, REPO, T5_REFERENCE, TORCHRUN_REPORT, t5_args
-
-LOST_PEER_TIMEOUT = 5  # --dist-timeout of the hung-peer test, in seconds
+from conftest import FSDP2_TINY, REPO, T5_REFERENCE, TORCHRUN_REPORT, t5_args
 
 
 def launch(cwd, script, *args, nproc=2, max_restarts=0):
@@ -73,12 +71,19 @@ def load(folder):
 
 def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tmp_path, fsdp2_reference):
     """torchrun --max-restarts 1; rank 0 (the one that writes) is SIGKILLed while a checkpoint is half-written.
-    The restarted workers resume from the newest complete checkpoint and end with the uninterrupted run's state."""
+    The restarted workers resume from the newest complete checkpoint and end with the uninterrupted run's state.
+
+    Checkpoints go through the DCP API here (the reference run used the DTensor API: the files must be the same).
+    A step_000015 folder is there from the start, as a save cut short by an older version would leave it: no
+    COMPLETE marker, a truncated model.pt. Resume must pass over it.
+    """
+    checkpoints, killed = tmp_path / "ckpt", None
+    (checkpoints / "step_000015").mkdir(parents=True)
+    (checkpoints / "step_000015" / "model.pt").write_bytes(b"cut short")
     agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt",
-                   "--save-every", 1, max_restarts=1)
+                   "--save-every", 1, "--dcp-api", max_restarts=1)
     try:
         rank0 = running_workers(agent)[0]
-        checkpoints, killed = tmp_path / "ckpt", None
         while killed is None and agent.poll() is None:
             if not list(checkpoints.glob("step_*.tmp")):
                 time.sleep(0.0005)
@@ -99,8 +104,11 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     assert agent.returncode == 0, stderr
     step = int(previous.name[5:])
     assert half_written.name == f"step_{step + 1:06d}.tmp"
+    assert f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} (no COMPLETE marker)" in stdout
     assert stdout.count("No checkpoint in ckpt: starting from step 0") == 1  # the first attempt
     assert f"Resumed from {previous} at step {step}" in stdout  # the restarted one
+    metrics = json.loads((tmp_path / "metrics.json").read_text())  # written by the restarted attempt
+    assert metrics["first_step"] == step + 1 and metrics["losses"] == fsdp2_reference.metrics["losses"][step:]
     assert not list(checkpoints.glob("*.tmp"))
     final, expected = load(checkpoints / "step_000020"), load(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert final[0].keys() == expected[0].keys() and all(torch.equal(final[0][k], expected[0][k]) for k in final[0])
@@ -111,8 +119,8 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
 def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference, tiny_t5_dir,
                                                                      wikihow_dir):
     """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed once epoch 1's sharded checkpoint is
-    complete; the restarted run goes on from it and saves the uninterrupted run's epoch-3 model."""
-    agent = launch(tmp_path, "t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE),
+    complete; the restarted run goes on from it and saves the uninterrupted run's epoch-2 model."""
+    agent = launch(tmp_path, "t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_REFERENCE),
                    "--resume", "auto", max_restarts=1)
     try:
         ranks = running_workers(agent)
@@ -130,39 +138,37 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
     assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
     assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout  # --save-dir .
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["val_losses"] == pytest.approx(t5_reference.metrics["val_losses"], rel=1e-6)
-    final = torch.load(metrics["checkpoint_pt"], weights_only=True)
-    expected = torch.load(t5_reference.metrics["checkpoint_pt"], weights_only=True)
-    assert final.keys() == expected.keys()
-    assert all(torch.allclose(final[k], expected[k], rtol=1e-5, atol=1e-7) for k in final)
+    assert metrics["val_losses"] == t5_reference.metrics["val_losses"][:2]
+    final = torch.load(metrics["checkpoint_pt"], weights_only=True)  # the best model: epoch 2's
+    expected = torch.load(next(t5_reference.cwd.glob("T5-model-*-2-*.pt")), weights_only=True)
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
-@pytest.mark.parametrize("script", ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py"])
-def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path, request, script):
+# --dist-timeout: T5's must also cover rank 1 waiting while rank 0 loads the model and data first.
+@pytest.mark.parametrize("script, timeout", [("fsdp2_transformer.py", 3), ("t5_fsdp_finetune.py", 6)])
+def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path, request, script, timeout):
     """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout and the
     job fails with one line saying so, instead of waiting for ever."""
-    if script.endswith("mnist.py"):
-        args, started = ["--data-dir", request.getfixturevalue("mnist_dir"), "--epochs", 50, *MNIST_TINY], "Train Epoch"
-    elif script == "fsdp2_transformer.py":
+    if script == "fsdp2_transformer.py":
         args, started = ["--steps", 1_000_000], "step 1 |"
     else:
         model, data = request.getfixturevalue("tiny_t5_dir"), request.getfixturevalue("wikihow_dir")
         args, started = [*t5_args(model, data, 50), "--no-save-model"], "FSDP: "
-    agent = launch(tmp_path, script, *args, "--dist-timeout", LOST_PEER_TIMEOUT)
+    agent = launch(tmp_path, script, *args, "--dist-timeout", timeout)
     try:
         ranks = running_workers(agent)
         wait_for(lambda: started in (tmp_path / "stdout.txt").read_text(), 120, "training to start")
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: exited(ranks[0]), LOST_PEER_TIMEOUT + 30, "rank 0 to give up")
+        wait_for(lambda: exited(ranks[0]), timeout + 30, "rank 0 to give up")
         waited = time.monotonic() - stopped
         os.kill(ranks[1], signal.SIGKILL)  # torchrun would only kill a stopped process after its 30 s grace
         _, stderr = finish(agent, tmp_path, timeout=60)
     finally:
         agent.kill()
     assert agent.returncode != 0
-    assert LOST_PEER_TIMEOUT - 1 <= waited < LOST_PEER_TIMEOUT + 10, waited
+    assert timeout - 1 <= waited < timeout + 10, waited
     worker_stderr = stderr.split(TORCHRUN_REPORT)[0]
     errors = [line for line in worker_stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in worker_stderr, worker_stderr
-    assert errors[0].startswith("error: rank 0: a collective failed (") and "--dist-timeout 5s" in errors[0]
+    assert errors[0].startswith("error: rank 0: a collective failed (") and f"--dist-timeout {timeout}s" in errors[0]

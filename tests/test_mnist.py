@@ -36,21 +36,22 @@ def test_learns_digits_under_torchrun(mnist_run, script):
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_spawn_mode_learns_the_same(mnist_run, mnist_dir, tmp_path, script):
-    """`python script.py` spawns the processes itself (on a free port) and gets the torchrun result."""
-    spawned = run_command([sys.executable, REPO / script, "--data-dir", mnist_dir, "--epochs", 3, *TINY,
+def test_spawn_mode_repeats_the_torchrun_run(mnist_run, mnist_dir, tmp_path, script):
+    """`python script.py` spawns the processes itself (on a free port): its first epoch is the torchrun run's,
+    to the last digit. (Same seed, same command: the same losses, whichever launcher.)"""
+    spawned = run_command([sys.executable, REPO / script, "--data-dir", mnist_dir, "--epochs", 1, *TINY,
                            "--world-size", 2], tmp_path, timeout=300)
     assert spawned.returncode == 0, spawned.output
-    assert spawned.metrics["accuracy"] >= 0.90
-    reference = mnist_run(script, "--save-model").metrics
-    assert spawned.metrics["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
+    reference = mnist_run(script, "--save-model")
+    assert spawned.metrics["world_size"] == 2
+    assert spawned.metrics["train_losses"] == reference.metrics["train_losses"][:1]
+    assert re.findall(r"Test set: .*", spawned.stdout) == re.findall(r"Test set: .*", reference.stdout)[:1]
 
 
 @pytest.mark.parametrize("options", [
     [],
     ["--auto-wrap-min-params", "20000", "--use-orig-params"],
     ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST"],
-    ["--sharding-strategy", "NO_SHARD"],
     ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"],
 ], ids=lambda options: " ".join(options) or "FULL_SHARD")
 def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
@@ -103,13 +104,13 @@ def test_fsdp_full_shard_halves_training_state(mnist_run):
     assert fsdp <= 0.55 * ddp, (fsdp, ddp)
 
 
-def test_seed_fixes_the_run(torchrun, mnist_dir, mnist_run):
-    first = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
-    again = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
-    assert first.returncode == 0 and again.returncode == 0, first.output + again.output
-    assert first.metrics["train_losses"] == again.metrics["train_losses"]
+def test_seed_changes_the_run(torchrun, mnist_dir, mnist_run):
+    """Another --seed, another initialization and data order. (That the same seed repeats a run exactly is
+    test_spawn_mode_repeats_the_torchrun_run.)"""
+    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
+    assert result.returncode == 0, result.output
     seed_1 = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"][0]
-    assert first.metrics["train_losses"][0] != pytest.approx(seed_1, rel=1e-4)
+    assert result.metrics["train_losses"][0] != pytest.approx(seed_1, rel=1e-4)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

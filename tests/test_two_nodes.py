@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FSDP2_REFERENCE, MNIST_TINY, REPO
+import torch
+from conftest import FSDP2_REFERENCE, MNIST_TINY, REPO, copy_fsdp2_checkpoint
 
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
 
@@ -24,7 +25,7 @@ def run_two_nodes(tmp_path, script, *args):
     agents = []
     for node in (0, 1):
         folder = tmp_path / f"node{node}"
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", node,
                    "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
                    REPO / script, *args, "--metrics-json", "metrics.json"]
@@ -40,10 +41,17 @@ def run_two_nodes(tmp_path, script, *args):
 
 
 def test_fsdp2_on_two_nodes_matches_one_node(tmp_path, fsdp2_reference):
+    """Both nodes start from a copy of the one-node run's step-10 checkpoint (only rank 0 reads it, with the
+    DTensor API) and must go on exactly as that run did, to the same step-20 checkpoint."""
+    for node in (0, 1):
+        copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / f"node{node}" / "ckpt")
     metrics = run_two_nodes(tmp_path, "fsdp2_transformer.py", *FSDP2_REFERENCE)
-    assert metrics["world_size"] == 2
-    assert metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-6)
-    assert metrics["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"], rel=1e-6)
+    assert metrics["world_size"] == 2 and metrics["first_step"] == 11
+    assert metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:], rel=1e-6)
+    assert metrics["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"][10:], rel=1e-6)
+    final = torch.load(os.path.join(metrics["checkpoint"], "model.pt"), weights_only=True)
+    expected = torch.load(fsdp2_reference.cwd / "ckpt" / "step_000020" / "model.pt", weights_only=True)
+    assert all(torch.allclose(final[k], expected[k], rtol=1e-6, atol=1e-7) for k in expected)
 
 
 def test_fsdp1_hybrid_shard_on_two_nodes_matches_one_node(tmp_path, cached_torchrun, mnist_dir):
