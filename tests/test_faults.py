@@ -1,5 +1,6 @@
 """Faults, caused from outside the scripts: a worker killed mid-run or mid-checkpoint under torchrun's
 elastic restart, and a hung peer under a short --dist-timeout."""
+import contextlib
 import json
 import os
 import signal
@@ -65,6 +66,14 @@ def finish(agent, cwd, timeout=240):
     return (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
 
 
+def stop(agent):
+    """Kill torchrun and its workers, a stopped one included, when a test ends before they do."""
+    for pid in workers(agent).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.kill()
+
+
 def load(folder):
     return [torch.load(folder / name, weights_only=True) for name in ("model.pt", "optimizer.pt")]
 
@@ -98,7 +107,7 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
                 os.kill(rank0, signal.SIGCONT)
         stdout, stderr = finish(agent, tmp_path)
     finally:
-        agent.kill()
+        stop(agent)
     assert killed, "the run ended before a checkpoint write could be interrupted"
     half_written, previous = killed
     assert agent.returncode == 0, stderr
@@ -133,7 +142,7 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
         os.kill(ranks[0], signal.SIGCONT)  # torchrun stops it
         stdout, stderr = finish(agent, tmp_path)
     finally:
-        agent.kill()
+        stop(agent)
     assert agent.returncode == 0, stderr
     assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
     assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout  # --save-dir .
@@ -165,7 +174,7 @@ def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path, request, script, 
         os.kill(ranks[1], signal.SIGKILL)  # torchrun would only kill a stopped process after its 30 s grace
         _, stderr = finish(agent, tmp_path, timeout=60)
     finally:
-        agent.kill()
+        stop(agent)
     assert agent.returncode != 0
     assert timeout - 1 <= waited < timeout + 10, waited
     worker_stderr = stderr.split(TORCHRUN_REPORT)[0]
