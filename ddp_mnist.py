@@ -73,16 +73,19 @@ def agree_on_error(error):
         fail(first)
 
 
-def output_dir_error(directory, flag):
-    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
-    that a bad path fails the run in seconds instead of after the last epoch."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
-    except OSError as e:
-        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+def output_error(outputs):
+    """Why a file cannot be written into one of the {flag: directory} folders (made if missing), or None.
+    Checked before training, so that a bad path fails the run in seconds instead of at the first save."""
+    for flag, directory in outputs.items():
+        if not directory:
+            continue
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+        except OSError as e:
+            return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
     return None
 
 
@@ -112,8 +115,10 @@ class Net(nn.Module):
 
 
 def idx_problem(path):
-    """Why path is not a complete IDX file of unsigned bytes (MNIST's format), or None. torchvision's
-    reader fails on such files with an empty AssertionError or a reshape error that names no file."""
+    """Why path is not a complete IDX file of unsigned bytes (MNIST's format), or None. Asked only when
+    torchvision's reader has failed: it says so with an empty AssertionError or a reshape error, naming no file."""
+    if not os.path.isfile(path):
+        return f"{os.path.basename(path)} is missing"
     with open(path, "rb") as f:
         data = f.read()  # at most 47 MB
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":
@@ -144,13 +149,11 @@ def load_mnist(data_dir, local_rank):
 
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
     try:
-        problem = next((p for p in map(idx_problem, (os.path.join(raw_dir, f) for f in MNIST_FILES)) if p), None)
-        if problem:
-            raise ValueError(problem)
         train_set = datasets.MNIST(data_dir, train=True, transform=transform)
         test_set = datasets.MNIST(data_dir, train=False, transform=transform)
     except Exception as e:
-        error = (f"cannot read MNIST from {raw_dir} ({' '.join(str(e).split()) or type(e).__name__}); "
+        problem = next(filter(None, (idx_problem(os.path.join(raw_dir, f)) for f in MNIST_FILES)), None)
+        error = (f"cannot read MNIST from {raw_dir} ({problem or ' '.join(str(e).split()) or type(e).__name__}); "
                  "delete that folder to download it again.")
     agree_on_error(error)
     return train_set, test_set
@@ -227,12 +230,8 @@ def train_and_test(args, device):
     rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     use_cuda = device.type == "cuda"
     metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
-    error = None
-    for directory, flag in ((args.save_model and os.getcwd(), "--save-model (./mnist_cnn.pt)"),
-                            (metrics_dir, "--metrics-json")):
-        if rank == 0 and directory and not error:
-            error = output_dir_error(directory, flag)
-    agree_on_error(error)
+    outputs = {"--save-model (./mnist_cnn.pt)": args.save_model and os.getcwd(), "--metrics-json": metrics_dir}
+    agree_on_error(output_error(outputs) if rank == 0 else None)
     train_set, test_set = load_mnist(args.data_dir, local_rank)
     train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     test_sampler = DistributedSampler(test_set, shuffle=False)

@@ -79,16 +79,19 @@ def agree_on_error(error):
         fail(first)
 
 
-def output_dir_error(directory, flag):
-    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
-    that a bad path fails the run in seconds instead of at its first save."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
-    except OSError as e:
-        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+def output_error(outputs):
+    """Why a file cannot be written into one of the {flag: directory} folders (made if missing), or None.
+    Checked before training, so that a bad path fails the run in seconds instead of at the first save."""
+    for flag, directory in outputs.items():
+        if not directory:
+            continue
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+        except OSError as e:
+            return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
     return None
 
 
@@ -475,12 +478,9 @@ def load_checkpoint(model, optimizer, args):
 def train(args, device):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
-    error = None
-    for directory, flag in ((args.checkpoint_dir and os.path.abspath(args.checkpoint_dir), "--checkpoint-dir"),
-                            (metrics_dir, "--metrics-json")):
-        if rank == 0 and directory and not error:
-            error = output_dir_error(directory, flag)
-    agree_on_error(error)
+    outputs = {"--checkpoint-dir": args.checkpoint_dir and os.path.abspath(args.checkpoint_dir),
+               "--metrics-json": metrics_dir}
+    agree_on_error(output_error(outputs) if rank == 0 else None)
     model = build_model(args, device, init_device_mesh(device.type, (world_size,)))
     check_sharding(model, args.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after fully_shard: it sees the DTensors

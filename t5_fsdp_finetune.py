@@ -106,16 +106,19 @@ def agree_on_error(error):
         fail(first)
 
 
-def output_dir_error(directory, flag):
-    """Why files cannot be written into directory (made if missing), or None. Checked before training, so
-    that a bad path fails the run in seconds instead of after the first epoch."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
-    except OSError as e:
-        return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
+def output_error(outputs):
+    """Why a file cannot be written into one of the {flag: directory} folders (made if missing), or None.
+    Checked before training, so that a bad path fails the run in seconds instead of at the first save."""
+    for flag, directory in outputs.items():
+        if not directory:
+            continue
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
+        except OSError as e:
+            return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
     return None
 
 
@@ -425,12 +428,8 @@ def train_and_validate(args, device):
     time_of_run = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     # Checked, and --save-dir made, only now: a run stopped by bad input before this leaves nothing behind.
     metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
-    error = None
-    for directory, flag in ((args.save_model and os.path.abspath(args.save_dir), "--save-dir"),
-                            (metrics_dir, "--metrics-json")):
-        if rank == 0 and directory and not error:
-            error = output_dir_error(directory, flag)
-    agree_on_error(error)
+    outputs = {"--save-dir": args.save_model and os.path.abspath(args.save_dir), "--metrics-json": metrics_dir}
+    agree_on_error(output_error(outputs) if rank == 0 else None)
     start = time.perf_counter()
     epoch_times, train_time, trained_samples = [], 0.0, 0
     for epoch in range(state["epoch"] + 1, args.epochs + 1):

@@ -89,9 +89,11 @@ class Run:
 
 
 def single_error_line(run):
-    """The `error:` line of a failed run, asserting there is exactly one (rank 0's) and no worker traceback."""
-    lines = [line for line in run.worker_stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and "Traceback" not in run.worker_stderr, run.worker_stderr
+    """The `error:` line of a failed run, asserting that it is the only line of the workers that speaks of an
+    error (rank 0's, no library log repeating it) and that there is no worker traceback."""
+    lines = [line for line in run.worker_stderr.splitlines()
+             if "error" in line.lower() and "torch/distributed/elastic" not in line]  # torchrun's own log lines
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in run.worker_stderr, run.worker_stderr
     return lines[0]
 
 
@@ -108,9 +110,9 @@ def run_command(command, cwd, timeout, env=None):
     return Run(proc.returncode, proc.stdout, proc.stderr, metrics, Path(cwd))
 
 
-def torchrun_command(script, args, nproc):
+def torchrun_command(script, args, nproc, max_restarts=0):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
-            REPO / script, *args]
+            "--max-restarts", max_restarts, REPO / script, *args]
 
 
 @pytest.fixture

@@ -51,6 +51,7 @@ CASES = [  # id, script, args, what the error line must say
      ["--checkpoint-dir", "{fsdp2_checkpoint}", "--dim", 64], ["another model", "--dim 32", "--dim 64"]),
     ("FSDP2 unwritable checkpoint dir", "fsdp2_transformer.py", ["--checkpoint-dir", "{a_file}"],
      ["--checkpoint-dir", "a_file is a file"]),
+    ("FSDP2 no timeout", "fsdp2_transformer.py", ["--dist-timeout", 0], ["--dist-timeout", "positive number, got 0"]),
     ("T5 missing CSV", "t5_fsdp_finetune.py", ["--data-dir", "{empty}"],
      ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
     ("T5 missing columns", "t5_fsdp_finetune.py", ["--data-dir", "{no_headline}"],
@@ -65,6 +66,8 @@ CASES = [  # id, script, args, what the error line must say
      ["--resume", "t5_corrupt: cannot load it", "corrupted"]),
     ("T5 unwritable save dir", "t5_fsdp_finetune.py", ["--save-dir", "{a_file}/out"],
      ["--save-dir", "a_file/out", "Not a directory"]),
+    ("T5 resume auto without sharded checkpoints", "t5_fsdp_finetune.py", ["--resume", "auto"],
+     ["--resume auto", "--checkpoint-type sharded"]),
 ]
 
 

@@ -5,19 +5,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import FSDP2_TINY, REPO, T5_REFERENCE, TORCHRUN_REPORT, t5_args
+from conftest import FSDP2_TINY, MNIST_TINY, T5_REFERENCE, TORCHRUN_REPORT, t5_args, torchrun_command
 
 
-def launch(cwd, script, *args, nproc=2, max_restarts=0):
-    """Start torchrun in the background; its output goes to cwd/stdout.txt and cwd/stderr.txt."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
-               "--max-restarts", max_restarts, REPO / script, *args,
-               "--metrics-json", "metrics.json"]
+def launch(cwd, script, *args, max_restarts=0):
+    """Start torchrun (2 processes) in the background; its output goes to cwd/stdout.txt and cwd/stderr.txt."""
+    command = torchrun_command(script, [*args, "--metrics-json", "metrics.json"], 2, max_restarts)
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
         return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err)
 
@@ -29,13 +27,18 @@ def wait_for(condition, timeout, what):
         time.sleep(0.001)
 
 
+def proc_stat(pid):
+    """The fields of /proc/PID/stat after the command name: [state, parent pid, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def workers(agent):
     """{rank: pid} of the worker processes torchrun has started (its children, with RANK set)."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            parent = int(proc_stat(pid)[1])
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
         except OSError:  # gone meanwhile
@@ -55,8 +58,7 @@ def running_workers(agent, nproc=2):
 
 def exited(pid):
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: exited, not yet reaped
+        return proc_stat(pid)[0] == "Z"  # a zombie: exited, not yet reaped
     except FileNotFoundError:
         return True
 
@@ -153,31 +155,51 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
-# --dist-timeout: T5's must also cover rank 1 waiting while rank 0 loads the model and data first.
-@pytest.mark.parametrize("script, timeout", [("fsdp2_transformer.py", 3), ("t5_fsdp_finetune.py", 6)])
-def test_a_hung_peer_ends_the_job_within_the_timeout(tmp_path, request, script, timeout):
-    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout and the
-    job fails with one line saying so, instead of waiting for ever."""
-    if script == "fsdp2_transformer.py":
-        args, started = ["--steps", 1_000_000], "step 1 |"
-    else:
-        model, data = request.getfixturevalue("tiny_t5_dir"), request.getfixturevalue("wikihow_dir")
-        args, started = [*t5_args(model, data, 50), "--no-save-model"], "FSDP: "
-    agent = launch(tmp_path, script, *args, "--dist-timeout", timeout)
+def hang_rank_1(cwd, script, args, started):
+    """Run script with --dist-timeout HUNG_PEER_TIMEOUT and SIGSTOP its rank 1 once rank 0 has printed `started`.
+    Returns (seconds until rank 0 exited, torchrun's exit status, stderr)."""
+    agent = launch(cwd, script, *args, "--dist-timeout", HUNG_PEER_TIMEOUT)
     try:
         ranks = running_workers(agent)
-        wait_for(lambda: started in (tmp_path / "stdout.txt").read_text(), 120, "training to start")
+        wait_for(lambda: started in (cwd / "stdout.txt").read_text(), 120, f"{script} to start training")
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: exited(ranks[0]), timeout + 30, "rank 0 to give up")
+        wait_for(lambda: exited(ranks[0]), HUNG_PEER_TIMEOUT + 30, f"rank 0 of {script} to give up")
         waited = time.monotonic() - stopped
         os.kill(ranks[1], signal.SIGKILL)  # torchrun would only kill a stopped process after its 30 s grace
-        _, stderr = finish(agent, tmp_path, timeout=60)
+        _, stderr = finish(agent, cwd, timeout=60)
     finally:
         stop(agent)
-    assert agent.returncode != 0
-    assert timeout - 1 <= waited < timeout + 10, waited
+    return waited, agent.returncode, stderr
+
+
+# It must also cover T5's rank 1 waiting while rank 0 loads the model and data first, with 4 jobs starting at once.
+HUNG_PEER_TIMEOUT = 10
+HUNG_PEER_SCRIPTS = ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py"]
+
+
+@pytest.fixture(scope="module")
+def hung_peer_runs(tmp_path_factory, mnist_dir, tiny_t5_dir, wikihow_dir):
+    """{script: hang_rank_1(...)} for the four scripts, run at the same time: each mostly waits for its timeout."""
+    mnist = ["--data-dir", mnist_dir, "--epochs", 50, *MNIST_TINY]
+    jobs = {"fsdp1_mnist.py": (mnist, "Net("), "ddp_mnist.py": (mnist, "Train Epoch: 1"),  # FSDP1 prints its model
+            "fsdp2_transformer.py": (["--steps", 1_000_000], "step 1 |"),
+            "t5_fsdp_finetune.py": ([*t5_args(tiny_t5_dir, wikihow_dir, 50), "--no-save-model"], "FSDP: ")}
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = {script: pool.submit(hang_rank_1, tmp_path_factory.mktemp("hung"), script, *job)
+                   for script, job in jobs.items()}
+        return {script: future.result() for script, future in futures.items()}
+
+
+@pytest.mark.parametrize("script", HUNG_PEER_SCRIPTS)
+def test_a_hung_peer_ends_the_job_within_the_timeout(hung_peer_runs, script):
+    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout and the
+    job fails with one line saying so, instead of waiting for ever."""
+    waited, returncode, stderr = hung_peer_runs[script]
+    assert returncode != 0
+    assert HUNG_PEER_TIMEOUT - 1 <= waited < HUNG_PEER_TIMEOUT + 10, waited
     worker_stderr = stderr.split(TORCHRUN_REPORT)[0]
     errors = [line for line in worker_stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in worker_stderr, worker_stderr
-    assert errors[0].startswith("error: rank 0: a collective failed (") and f"--dist-timeout {timeout}s" in errors[0]
+    assert errors[0].startswith("error: rank 0: a collective failed (")
+    assert f"--dist-timeout {HUNG_PEER_TIMEOUT}s" in errors[0]

@@ -29,11 +29,6 @@ def fsdp2_run(cached_torchrun):
     return run
 
 
-@pytest.fixture
-def reference(fsdp2_reference):
-    return fsdp2_reference
-
-
 def load_files(folder):
     return (torch.load(folder / "model.pt", weights_only=True), torch.load(folder / "optimizer.pt", weights_only=True))
 
@@ -59,25 +54,26 @@ def test_default_command_learns_the_task(torchrun):
     (2, ["--grad-accum-steps", 2]),
     (2, ["--explicit-prefetching", "--no-reshard-after-forward"]),
 ], ids=["world size 1", "grad accumulation", "explicit prefetching, no reshard after forward"])
-def test_fp32_parity_with_the_plain_run(fsdp2_run, reference, nproc, options):
+def test_fp32_parity_with_the_plain_run(fsdp2_run, fsdp2_reference, nproc, options):
     """Same seed, same global batches: the same per-step losses and gradient norms as 2 ranks without options."""
     run = fsdp2_run(*TINY, "--steps", 20, *options, nproc=nproc).metrics
     assert run["world_size"] == nproc and len(run["losses"]) == 20
-    assert run["losses"] == pytest.approx(reference.metrics["losses"], rel=1e-5)
-    assert run["grad_norms"] == pytest.approx(reference.metrics["grad_norms"], rel=1e-5)
+    assert run["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-5)
+    assert run["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"], rel=1e-5)
 
 
-def test_mixed_precision_with_every_option(fsdp2_run, reference):
+def test_mixed_precision_with_every_option(fsdp2_run, fsdp2_reference):
     run = fsdp2_run(*TINY, "--steps", 20, "--mixed-precision", "--explicit-prefetching", "--grad-accum-steps", 2,
                     "--no-reshard-after-forward")
     assert "Unsharded parameters are bfloat16" in run.stdout
-    assert run.metrics["losses"] == pytest.approx(reference.metrics["losses"], rel=2e-2)
-    assert run.metrics["losses"] != pytest.approx(reference.metrics["losses"], rel=1e-6)  # really bf16
+    assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=2e-2)
+    assert run.metrics["losses"] != pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-6)  # really bf16
 
 
-def test_sharding_halves_training_state(fsdp2_run, reference):
+def test_sharding_halves_training_state(fsdp2_run, fsdp2_reference):
     one_rank = fsdp2_run(*TINY, "--steps", 20, nproc=1).metrics["train_state_bytes"]
-    assert reference.metrics["train_state_bytes"] <= 0.52 * one_rank, (reference.metrics["train_state_bytes"], one_rank)
+    two_ranks = fsdp2_reference.metrics["train_state_bytes"]
+    assert two_ranks <= 0.52 * one_rank, (two_ranks, one_rank)
 
 
 def test_meta_init_matches_eager_init():
@@ -158,23 +154,23 @@ def test_gradient_accumulation_reduces_once_per_step(torchrun, tmp_path):
     assert json.loads(result.stdout.splitlines()[-1]) == {"1": 3, "3": 3}
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path, reference):
+def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path, fsdp2_reference):
     """Written by 2 ranks with the DTensor API, resumed by 1 rank with the DCP API: the same trajectory."""
-    copy_fsdp2_checkpoint(reference, 10, tmp_path / "ckpt")
+    copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
     resumed = torchrun(SCRIPT, *TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--dcp-api", nproc=1)
     assert resumed.returncode == 0, resumed.output
     assert resumed.metrics["first_step"] == 11
-    assert resumed.metrics["losses"] == pytest.approx(reference.metrics["losses"][10:], rel=1e-5)
+    assert resumed.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:], rel=1e-5)
     model, _ = load_files(tmp_path / "ckpt" / "step_000020")
-    expected, _ = load_files(reference.cwd / "ckpt" / "step_000020")
+    expected, _ = load_files(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert all(torch.allclose(model[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)
 
 
-def test_checkpoint_layout_and_plain_model(reference):
+def test_checkpoint_layout_and_plain_model(fsdp2_reference):
     """Complete folders only; model.pt loads into the plain, unsharded Transformer."""
-    folder = reference.cwd / "ckpt"
+    folder = fsdp2_reference.cwd / "ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["step_000010", "step_000020"]
-    assert reference.metrics["checkpoint"] == str(folder / "step_000020")
+    assert fsdp2_reference.metrics["checkpoint"] == str(folder / "step_000020")
     marker = json.loads((folder / "step_000020" / "COMPLETE").read_text())
     assert marker["step"] == 20 and marker["model"] == CONFIG
     model = Transformer(**CONFIG)
@@ -182,23 +178,23 @@ def test_checkpoint_layout_and_plain_model(reference):
     tokens = global_batch(task_rules(64, 0), 21, 8, 16, 0)
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    assert loss.item() == pytest.approx(reference.metrics["train_loss"], rel=0.1)
+    assert loss.item() == pytest.approx(fsdp2_reference.metrics["train_loss"], rel=0.1)
 
 
-def test_lr_sets_the_step_size_and_no_resume_starts_over(torchrun, tmp_path, reference):
+def test_lr_sets_the_step_size_and_no_resume_starts_over(torchrun, tmp_path, fsdp2_reference):
     """--no-resume trains from step 1 although --checkpoint-dir holds step 10. Step 1's loss comes before any
     update, so it is the reference's; every later one depends on --lr."""
-    copy_fsdp2_checkpoint(reference, 10, tmp_path / "ckpt")
+    copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
     result = torchrun(SCRIPT, *TINY, "--steps", 3, "--lr", 1e-4, "--checkpoint-dir", "ckpt", "--no-resume")
     assert result.returncode == 0, result.output
     losses = result.metrics["losses"]
-    assert result.metrics["first_step"] == 1 and losses[0] == reference.metrics["losses"][0]
-    assert losses[1:] != pytest.approx(reference.metrics["losses"][1:3], rel=1e-4)
+    assert result.metrics["first_step"] == 1 and losses[0] == fsdp2_reference.metrics["losses"][0]
+    assert losses[1:] != pytest.approx(fsdp2_reference.metrics["losses"][1:3], rel=1e-4)
 
 
-def test_log_every_sets_the_printed_steps(reference):
+def test_log_every_sets_the_printed_steps(fsdp2_reference):
     """--log-every 5 over 20 steps: the first step, then every fifth (the last included)."""
-    printed = [int(line.split()[1]) for line in reference.stdout.splitlines() if line.startswith("step ")]
+    printed = [int(line.split()[1]) for line in fsdp2_reference.stdout.splitlines() if line.startswith("step ")]
     assert printed == [1, 5, 10, 15, 20]
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, T5_REFERENCE, single_error_line, t5_args
+from conftest import REPO, single_error_line, t5_args
 from conftest import T5_INPUT_LENGTH as INPUT_LENGTH
 from conftest import T5_OUTPUT_LENGTH as OUTPUT_LENGTH
 from conftest import T5_VAL_SAMPLES as VAL_SAMPLES
@@ -37,8 +37,8 @@ def tokenizer(tiny_t5_dir):
     return T5Tokenizer.from_pretrained(tiny_t5_dir)
 
 
-def test_validation_loss_falls_every_epoch(t5_run):
-    run = t5_run(*T5_REFERENCE, epochs=3)
+def test_validation_loss_falls_every_epoch(t5_reference):
+    run = t5_reference
     metrics = run.metrics
     assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
     assert metrics["mixed_precision"] == "fp32"  # what auto picks on CPU
@@ -74,9 +74,9 @@ print(json.dumps({"val_loss": val_loss, "same": same,
 """
 
 
-def test_best_model_loads_in_a_fresh_process(t5_run, tiny_t5_dir, wikihow_dir):
+def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
     """The HF directory loads with from_pretrained, generates text, and gives the logged best validation loss."""
-    run = t5_run(*T5_REFERENCE, epochs=3)
+    run = t5_reference
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
     assert hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"]) and pt_file == hf_dir[: -len("-hf")] + ".pt"
     assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
@@ -94,9 +94,9 @@ def test_best_model_loads_in_a_fresh_process(t5_run, tiny_t5_dir, wikihow_dir):
     ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST", "--activation-checkpointing"],
     ["--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE"],
 ], ids=" ".join)
-def test_fp32_options_give_the_same_losses(t5_run, options):
+def test_fp32_options_give_the_same_losses(t5_reference, t5_run, options):
     """Same seed and data: sharding, prefetch and activation checkpointing do not change the epoch losses."""
-    reference = t5_run(*T5_REFERENCE, epochs=3)
+    reference = t5_reference
     run = t5_run(*options, "--mixed-precision", "fp32", "--no-save-model")
     checkpointed = 4 if "--activation-checkpointing" in options else 0  # 2 encoder + 2 decoder blocks
     assert f"activation checkpointing of {checkpointed} T5Blocks" in run.stdout
@@ -105,17 +105,17 @@ def test_fp32_options_give_the_same_losses(t5_run, options):
         assert run.metrics[key] == pytest.approx(reference.metrics[key][:2], rel=1e-4)
 
 
-def test_full_shard_halves_training_state(t5_run):
-    full = t5_run(*T5_REFERENCE, epochs=3).metrics["train_state_bytes"]
+def test_full_shard_halves_training_state(t5_reference, t5_run):
+    full = t5_reference.metrics["train_state_bytes"]
     replicated = t5_run("--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE", "--mixed-precision", "fp32",
                         "--no-save-model").metrics["train_state_bytes"]
     assert full <= 0.55 * replicated, (full, replicated)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "grad-bf16", "fp16"])
-def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_dir, precision):
+def test_reduced_precision_learns(t5_reference, cached_torchrun, wikihow_dir, tiny_t5_dir, precision):
     """bf16 and grad-bf16 run on CPU; fp16 either runs or says in one line why it cannot."""
-    fp32 = t5_run(*T5_REFERENCE, epochs=3).metrics["val_losses"][:2]
+    fp32 = t5_reference.metrics["val_losses"][:2]
     run = cached_torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
                                              "--no-save-model"))
     if precision == "fp16" and run.returncode != 0:
@@ -128,18 +128,18 @@ def test_reduced_precision_learns(t5_run, cached_torchrun, wikihow_dir, tiny_t5_
     assert val != pytest.approx(fp32, rel=1e-6)  # the policy really changed the arithmetic
 
 
-def test_lr_and_gamma_drive_the_optimizer(t5_run):
+def test_lr_and_gamma_drive_the_optimizer(t5_reference, t5_run):
     """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
-    reference = t5_run(*T5_REFERENCE, epochs=3).metrics["val_losses"]
+    reference = t5_reference.metrics["val_losses"]
     val = t5_run("--lr", 0.005, "--gamma", 0, "--no-save-model", "--no-track-memory").metrics["val_losses"]
     assert val[0] != pytest.approx(reference[0], rel=1e-4)
     assert val[1] == val[0]
 
 
-def test_without_validation_the_last_epoch_is_saved(t5_run):
+def test_without_validation_the_last_epoch_is_saved(t5_reference, t5_run):
     run = t5_run("--no-run-validation", "--no-track-memory")
     assert "Validation Loss" not in run.stdout and "Process memory" not in run.stdout
-    assert "Process memory" in t5_run(*T5_REFERENCE, epochs=3).stdout
+    assert "Process memory" in t5_reference.stdout
     assert run.metrics["val_losses"] == [None, None] and run.metrics["val_loss"] is None
     assert [p.name for p in run.cwd.glob("T5-model-*.pt")] == [run.metrics["checkpoint_pt"].split("/")[-1]]
     assert run.metrics["checkpoint"].endswith("-2-hf") and (run.cwd / run.metrics["checkpoint"]).is_dir()
