@@ -3,16 +3,17 @@
 Runs the real scripts under torch.distributed.run, each configuration --repeats times (default 3),
 and prints one markdown table per benchmark in which every figure is the median over those runs:
 
-    python benchmarks/run.py                                  # all three benchmarks, 3 runs each
+    python benchmarks/run.py                                # all three benchmarks, 3 runs each
     python benchmarks/run.py --only fsdp2 t5 --out bench.md --raw-json bench-runs.json
-    python benchmarks/run.py --only mnist --mnist-dir data    # real MNIST instead of the digits fixture
+    python benchmarks/run.py --only mnist --mnist-dir data  # real MNIST, not the digits fixture
     python benchmarks/run.py --only t5 --wikihow-dir data --t5-model t5-base-local
-    python benchmarks/run.py --smoke --repeats 1 --only fsdp2 --fsdp2-steps 10   # does it work? not for quoting
+    python benchmarks/run.py --smoke --repeats 1 --only fsdp2 --fsdp2-steps 10  # not for quoting
 
-Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written into a
-temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
+Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
+into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
 
-- MNIST (world size 2, CPU): DDP vs FSDP1 vs FSDP1 with size-based auto-wrap, seed 000's table measured.
+- MNIST (world size 2, CPU): DDP vs FSDP1 vs FSDP1 with size-based auto-wrap, seed 000's table
+  measured.
 - FSDP2 (world size 1, 2, and 4 where there are 4 cores): plain, --explicit-prefetching,
   --mixed-precision, --no-reshard-after-forward; training state per rank against the ideal 1/N.
 - T5 (world size 2, CPU, fp32): FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with BACKWARD_PRE, and
@@ -21,8 +22,8 @@ temporary directory first (tests/digits_mnist.py needs scikit-learn), and the ta
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
 
-A failed run prints its command and the end of its stderr at once; its configuration reads FAILED in
-the table, and the harness exits with status 1 after printing the tables. README.md ("Benchmarks")
+A failed run prints its command and the end of its stderr at once; its configuration reads FAILED
+in the table, and the harness exits with status 1 after printing the tables. benchmarks/README.md
 says what every column means.
 """
 import argparse
@@ -45,13 +46,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("mnist", "fsdp2", "t5")
 FSDP2_OPTIONS = {"plain": [], "explicit-prefetching": ["--explicit-prefetching"],
-                 "mixed-precision": ["--mixed-precision"], "no-reshard-after-forward": ["--no-reshard-after-forward"]}
+                 "mixed-precision": ["--mixed-precision"],
+                 "no-reshard-after-forward": ["--no-reshard-after-forward"]}
 # The script's defaults, passed explicitly: the time per step is tokens per step / tokens/s.
 FSDP2_BATCH, FSDP2_SEQ_LEN = 32, 32
-T5_SIZES = ["--input-length", "64", "--output-length", "24", "--num-train-samples", "128", "--num-val-samples", "31",
-            "--batch-size", "4", "--test-batch-size", "4"]
-T5_CONFIGS = [("FULL_SHARD", "BACKWARD_PRE"), ("SHARD_GRAD_OP", "BACKWARD_PRE"), ("NO_SHARD", "BACKWARD_PRE"),
-              ("FULL_SHARD", "BACKWARD_POST"), ("FULL_SHARD", "NONE")]
+T5_SIZES = ["--input-length", "64", "--output-length", "24", "--num-train-samples", "128",
+            "--num-val-samples", "31", "--batch-size", "4", "--test-batch-size", "4"]
+T5_CONFIGS = [("FULL_SHARD", "BACKWARD_PRE"), ("SHARD_GRAD_OP", "BACKWARD_PRE"),
+              ("NO_SHARD", "BACKWARD_PRE"), ("FULL_SHARD", "BACKWARD_POST"), ("FULL_SHARD", "NONE")]
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -72,7 +74,7 @@ def markdown_table(headers, rows):
 
 
 def steady_epoch_time(epoch_times):
-    """Median of the epochs after the first (which also pays for warm-up), or the only epoch there is."""
+    """Median of the epochs after the first (which also pays for warm-up), or the only epoch."""
     return statistics.median(epoch_times[1:] or epoch_times)
 
 
@@ -88,9 +90,13 @@ def cpu_model():
 
 
 def stderr_tail(stderr):
-    """The end of the workers' stderr: torchrun's own failure report (its traceback) follows it and is cut."""
+    """The end of the workers' stderr.
+
+    torchrun's own failure report (its traceback) follows it and is cut.
+    """
     lines = stderr.splitlines()
-    cut = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line), len(lines))
+    cut = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line),
+               len(lines))
     return "\n".join(lines[:cut][-STDERR_TAIL:] or lines[-STDERR_TAIL:])
 
 
@@ -103,7 +109,8 @@ def write_fixture(what, command):
     """Run one of the tests' fixture generators; if it fails, say so and how to do without it."""
     proc = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True)
     if proc.returncode != 0:
-        log(f"error: could not write the {what} fixture ({' '.join(map(str, command))}):\n{proc.stderr.strip()}\n"
+        log(f"error: could not write the {what} fixture ({' '.join(map(str, command))}):\n"
+            f"{proc.stderr.strip()}\n"
             "Install the test requirements (pip install -r requirements-test.txt) or pass the data "
             "directory of your own (see --help).")
         sys.exit(1)
@@ -120,15 +127,17 @@ def figures_of(config, metrics, stdout):
 
     Raises KeyError when the metrics file lacks a figure.
     """
-    figures = {"state_mib": metrics["train_state_bytes"] / MIB, "peak_mib": metrics["peak_memory_bytes"] / MIB}
+    figures = {"state_mib": metrics["train_state_bytes"] / MIB,
+               "peak_mib": metrics["peak_memory_bytes"] / MIB}
     if config["benchmark"] == "mnist":
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
-        # DistributedSampler pads the training set to a multiple of the world size: every rank trains on
-        # ceil(N / world size) samples an epoch.
+        # DistributedSampler pads the training set to a multiple of the world size: every rank
+        # trains on ceil(N / world size) samples an epoch.
         world_size = config["world_size"]
         samples = math.ceil(mnist_train_samples(config["data_dir"]) / world_size) * world_size
         figures["samples_per_s"] = samples / figures["epoch_s"]
-        if config["device"] == "cuda":  # printed, not in the metrics file: training time of all epochs
+        if config["device"] == "cuda":
+            # Printed, not in the metrics file: the training time of all epochs.
             event = re.search(r"CUDA event elapsed time: ([\d.]+)sec", stdout)
             figures["cuda_event_s"] = float(event.group(1)) if event else None
     elif config["benchmark"] == "fsdp2":
@@ -137,39 +146,53 @@ def figures_of(config, metrics, stdout):
     else:
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = metrics["samples_per_s"]
-        figures["precision_used"] = metrics["mixed_precision"]  # bf16 falls back to fp32 without native bf16
+        # bf16 falls back to fp32 without native bf16
+        figures["precision_used"] = metrics["mixed_precision"]
     return figures
 
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS), metavar="NAME",
-                    help=f"benchmarks to run, any of {', '.join(BENCHMARKS)}")
+parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS),
+                    metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)}")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
-                    help="runs per configuration; every figure is the median over them (at least 3 without --smoke)")
+                    help="runs per configuration; every figure is the median over them "
+                         "(at least 3 without --smoke)")
 parser.add_argument("--smoke", action="store_true",
-                    help="allow --repeats below 3, to check that the harness works; the tables say so")
+                    help="allow --repeats below 3, to check that the harness works; "
+                         "the tables say so")
 parser.add_argument("--out", default=None, metavar="FILE", help="also write the markdown to FILE")
 parser.add_argument("--raw-json", default=None, metavar="FILE",
-                    help="write every run (command, metrics JSON, the figures taken from it) to FILE")
+                    help="write every run (command, metrics JSON, the figures taken from it) "
+                         "to FILE")
 parser.add_argument("--mnist-dir", default=None, metavar="DIR",
-                    help="folder holding MNIST/raw (unset: the tests' digits fixture, in a temporary folder)")
+                    help="folder holding MNIST/raw (unset: the tests' digits fixture, "
+                         "in a temporary folder)")
 parser.add_argument("--wikihow-dir", default=None, metavar="DIR",
-                    help="folder with wikihowAll.csv (unset: the tests' WikiHow fixture, in a temporary folder)")
+                    help="folder with wikihowAll.csv (unset: the tests' WikiHow fixture, "
+                         "in a temporary folder)")
 parser.add_argument("--t5-model", default=None, metavar="DIR_OR_ID",
-                    help="T5 model directory or hub id (unset: the tests' tiny T5 fixture, in a temporary folder)")
-parser.add_argument("--mnist-epochs", type=int, default=3, metavar="N", help="epochs per MNIST run")
-parser.add_argument("--fsdp2-steps", type=int, default=100, metavar="N", help="optimizer steps per FSDP2 run")
+                    help="T5 model directory or hub id (unset: the tests' tiny T5 fixture, "
+                         "in a temporary folder)")
+parser.add_argument("--mnist-epochs", type=int, default=3, metavar="N",
+                    help="epochs per MNIST run")
+parser.add_argument("--fsdp2-steps", type=int, default=100, metavar="N",
+                    help="optimizer steps per FSDP2 run")
 parser.add_argument("--t5-epochs", type=int, default=3, metavar="N", help="epochs per T5 run")
 parser.add_argument("--fsdp2-world-sizes", nargs="+", type=int, default=None, metavar="N",
-                    help="FSDP2 world sizes on CPU (unset: 1 2, and 4 when there are at least 4 CPU cores)")
-parser.add_argument("--fsdp2-options", nargs="+", choices=list(FSDP2_OPTIONS), default=list(FSDP2_OPTIONS),
-                    metavar="OPTION", help=f"FSDP2 configurations, any of {', '.join(FSDP2_OPTIONS)}")
-parser.add_argument("--no-gpu", action="store_true", help="skip the GPU runs even when a CUDA GPU is visible")
-parser.add_argument("--timeout", type=int, default=900, metavar="S", help="seconds before a run counts as failed")
+                    help="FSDP2 world sizes on CPU (unset: 1 2, and 4 when there are at least "
+                         "4 CPU cores)")
+parser.add_argument("--fsdp2-options", nargs="+", choices=list(FSDP2_OPTIONS),
+                    default=list(FSDP2_OPTIONS), metavar="OPTION",
+                    help=f"FSDP2 configurations, any of {', '.join(FSDP2_OPTIONS)}")
+parser.add_argument("--no-gpu", action="store_true",
+                    help="skip the GPU runs even when a CUDA GPU is visible")
+parser.add_argument("--timeout", type=int, default=900, metavar="S",
+                    help="seconds before a run counts as failed")
 args = parser.parse_args()
 if args.repeats < 3 and not args.smoke:
-    parser.error(f"--repeats {args.repeats}: a median needs at least 3 runs; pass --smoke to run fewer anyway")
+    parser.error(f"--repeats {args.repeats}: a median needs at least 3 runs; "
+                 "pass --smoke to run fewer anyway")
 if args.repeats < 1:
     parser.error("--repeats must be at least 1")
 for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs", "timeout"):
@@ -186,34 +209,43 @@ fsdp2_world_sizes = args.fsdp2_world_sizes
 if fsdp2_world_sizes is None:
     fsdp2_world_sizes = [1, 2] + ([4] if cores >= 4 else [])
     if cores < 4 and "fsdp2" in args.only:
-        notes.append(f"FSDP2 at world size 4 skipped: this machine has {cores} CPU cores, and 4 processes on "
-                     "fewer cores would measure the oversubscription rather than FSDP2.")
+        notes.append(f"FSDP2 at world size 4 skipped: this machine has {cores} CPU cores, "
+                     "and 4 processes on fewer cores would measure the oversubscription rather "
+                     "than FSDP2.")
 tmp = Path(tempfile.mkdtemp(prefix="fsdp-bench-"))
 env = dict(os.environ)
 
-# ------------------------------------------------------------------------------------------------- data
+# --------------------------------------------------------------------------------------------- data
 # The fixtures come from the tests' own generators, run through their command lines.
-mnist_dir, wikihow_dir, t5_model = args.mnist_dir, args.wikihow_dir, args.t5_model
+# Each run starts in a folder of its own: local paths must be absolute to mean the same there.
+mnist_dir, wikihow_dir, t5_model = (os.path.abspath(p) if p and os.path.exists(p) else p
+                                    for p in (args.mnist_dir, args.wikihow_dir, args.t5_model))
 mnist_source = f"Data: MNIST from {mnist_dir}" if mnist_dir else None
 t5_source = f"Model {t5_model}, WikiHow from {wikihow_dir}" if t5_model and wikihow_dir else None
 if "mnist" in args.only and not mnist_dir:
     mnist_dir = tmp / "mnist"
     log(f"Writing the MNIST digits fixture (tests/digits_mnist.py) to {mnist_dir}")
     write_fixture("MNIST digits", [REPO / "tests" / "digits_mnist.py", mnist_dir])
-    mnist_source = ("Data: the offline digits fixture of the tests, not MNIST (tests/digits_mnist.py: scikit-learn's "
-                    f"digits as 28x28 MNIST files, {mnist_train_samples(mnist_dir)} training images)")
+    mnist_source = ("Data: the offline digits fixture of the tests, not MNIST "
+                    "(tests/digits_mnist.py: scikit-learn's digits as 28x28 MNIST files, "
+                    f"{mnist_train_samples(mnist_dir)} training images)")
 if "t5" in args.only and not (wikihow_dir and t5_model):
     fixture_data, fixture_model = tmp / "wikihow", tmp / "tiny-t5"
     log(f"Writing the WikiHow and tiny T5 fixtures (tests/tiny_wikihow.py) to {tmp}")
-    write_fixture("WikiHow and tiny T5", [REPO / "tests" / "tiny_wikihow.py", fixture_data, fixture_model])
+    write_fixture("WikiHow and tiny T5",
+                  [REPO / "tests" / "tiny_wikihow.py", fixture_data, fixture_model])
     wikihow_dir, t5_model = wikihow_dir or fixture_data, t5_model or fixture_model
-    t5_source = ("Model " + ("the tiny T5 fixture of the tests" if t5_model == fixture_model else str(t5_model))
-                 + ", data " + ("the WikiHow-format fixture CSV of the tests" if wikihow_dir == fixture_data
-                                else f"WikiHow from {wikihow_dir}") + " (tests/tiny_wikihow.py)")
+    t5_source = ("Model "
+                 + ("the tiny T5 fixture of the tests" if t5_model == fixture_model
+                    else str(t5_model))
+                 + ", data "
+                 + ("the WikiHow-format fixture CSV of the tests" if wikihow_dir == fixture_data
+                    else f"WikiHow from {wikihow_dir}")
+                 + " (tests/tiny_wikihow.py)")
     # The datasets library caches each CSV it reads; keep the fixture's cache out of the user's.
     env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
 
-# -------------------------------------------------------------------------------------- configurations
+# ----------------------------------------------------------------------------------- configurations
 # One entry per table row: which script, how many processes, on which device, with which flags.
 configs = []
 for device in ["cpu"] + (["cuda"] if gpu else []):
@@ -223,44 +255,56 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                                     ("FSDP1 FULL_SHARD", "fsdp1_mnist.py", []),
                                     ("FSDP1 FULL_SHARD, auto-wrap 20000", "fsdp1_mnist.py",
                                      ["--auto-wrap-min-params", "20000"])]:
-            configs.append({"benchmark": "mnist", "device": device, "world_size": 2 if on_cpu else 1, "name": name,
+            configs.append({"benchmark": "mnist", "device": device,
+                            "world_size": 2 if on_cpu else 1, "name": name,
                             "data_dir": mnist_dir, "script": script,
-                            "args": ["--data-dir", str(mnist_dir), "--epochs", str(args.mnist_epochs), *flags,
+                            "args": ["--data-dir", str(mnist_dir),
+                                     "--epochs", str(args.mnist_epochs), *flags,
                                      *(["--no-cuda"] if on_cpu else [])]})
     if "fsdp2" in args.only:
         for world_size in fsdp2_world_sizes if on_cpu else [1]:
             for name in args.fsdp2_options:
-                configs.append({"benchmark": "fsdp2", "device": device, "world_size": world_size, "name": name,
+                configs.append({"benchmark": "fsdp2", "device": device,
+                                "world_size": world_size, "name": name,
                                 "script": "fsdp2_transformer.py",
-                                "args": ["--steps", str(args.fsdp2_steps), "--batch-size", str(FSDP2_BATCH),
-                                         "--seq-len", str(FSDP2_SEQ_LEN), "--log-every", str(args.fsdp2_steps),
+                                "args": ["--steps", str(args.fsdp2_steps),
+                                         "--batch-size", str(FSDP2_BATCH),
+                                         "--seq-len", str(FSDP2_SEQ_LEN),
+                                         "--log-every", str(args.fsdp2_steps),
                                          *FSDP2_OPTIONS[name], *(["--cpu"] if on_cpu else [])]})
     if "t5" in args.only:
-        # On CPU, fp32 for every strategy (bf16 has no native units there): a like-for-like comparison. At world
-        # size 1, FSDP1 runs every strategy as NO_SHARD, so on the GPU only fp32 and bf16 are compared.
+        # On CPU, fp32 for every strategy (bf16 has no native units there): a like-for-like
+        # comparison. At world size 1, FSDP1 runs every strategy as NO_SHARD, so on the GPU only
+        # fp32 and bf16 are compared.
         for strategy, prefetch, precision in ([(s, p, "fp32") for s, p in T5_CONFIGS] if on_cpu else
                                               [("FULL_SHARD", "BACKWARD_PRE", "fp32"),
                                                ("FULL_SHARD", "BACKWARD_PRE", "bf16")]):
-            configs.append({"benchmark": "t5", "device": device, "world_size": 2 if on_cpu else 1,
-                            "name": f"{strategy} {prefetch} {precision}", "strategy": strategy, "prefetch": prefetch,
-                            "precision": precision, "script": "t5_fsdp_finetune.py",
+            configs.append({"benchmark": "t5", "device": device,
+                            "world_size": 2 if on_cpu else 1,
+                            "name": f"{strategy} {prefetch} {precision}", "strategy": strategy,
+                            "prefetch": prefetch, "precision": precision,
+                            "script": "t5_fsdp_finetune.py",
                             "args": ["--model-name", str(t5_model), "--data-dir", str(wikihow_dir),
-                                     "--epochs", str(args.t5_epochs), *T5_SIZES, "--sharding-strategy", strategy,
-                                     "--backward-prefetch", prefetch, "--mixed-precision", precision,
+                                     "--epochs", str(args.t5_epochs), *T5_SIZES,
+                                     "--sharding-strategy", strategy,
+                                     "--backward-prefetch", prefetch,
+                                     "--mixed-precision", precision,
                                      "--no-save-model", *(["--cpu"] if on_cpu else [])]})
 
-# ------------------------------------------------------------------------------------------------- runs
+# --------------------------------------------------------------------------------------------- runs
 runs, failures = [], []
 total = len(configs) * args.repeats
 for config in configs:
     config["figures"] = []  # one dict per successful run
     for repeat in range(1, args.repeats + 1):
-        workdir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))  # whatever a script writes lands here
+        # Whatever a script writes lands in its own folder.
+        workdir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
         metrics_path = workdir / "metrics.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
                    *config["args"], "--metrics-json", str(metrics_path)]
-        label = f"{config['benchmark']} {config['device']} world size {config['world_size']} {config['name']}"
+        label = (f"{config['benchmark']} {config['device']} world size {config['world_size']} "
+                 f"{config['name']}")
         log(f"[{len(runs) + 1}/{total}] {label}, run {repeat}/{args.repeats}")
         run_start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
@@ -271,20 +315,22 @@ for config in configs:
             proc.terminate()  # torchrun passes SIGTERM on to its workers
             stdout, stderr = proc.communicate()
             stderr += f"\nharness: killed after --timeout {args.timeout} s"
-        run = {"benchmark": config["benchmark"], "device": config["device"], "world_size": config["world_size"],
-               "name": config["name"], "repeat": repeat, "command": command, "returncode": proc.returncode,
+        run = {"benchmark": config["benchmark"], "device": config["device"],
+               "world_size": config["world_size"], "name": config["name"], "repeat": repeat,
+               "command": command, "returncode": proc.returncode,
                "seconds": time.perf_counter() - run_start, "metrics": None, "figures": None}
         runs.append(run)
         error = None
         if proc.returncode != 0 or not metrics_path.exists():
-            error = f"exit status {proc.returncode}" + ("" if proc.returncode else " but no metrics file")
+            error = (f"exit status {proc.returncode}"
+                     + ("" if proc.returncode else " but no metrics file"))
         else:
             metrics = run["metrics"] = json.loads(metrics_path.read_text())
             # A script that fell back to another device would put its figures in the wrong table.
             ran_on = (metrics.get("device"), metrics.get("world_size"))
             if ran_on != (config["device"], config["world_size"]):
-                error = (f"it ran on {ran_on[0]} at world size {ran_on[1]}, not on {config['device']} at world "
-                         f"size {config['world_size']}")
+                error = (f"it ran on {ran_on[0]} at world size {ran_on[1]}, "
+                         f"not on {config['device']} at world size {config['world_size']}")
             else:
                 try:
                     run["figures"] = figures_of(config, metrics, stdout)
@@ -293,20 +339,25 @@ for config in configs:
         if error:
             run["error"], run["stderr_tail"] = error, stderr_tail(stderr)
             failures.append(run)
-            log(f"\nFAILED: {label}, run {repeat}/{args.repeats}, {error}\ncommand: {shlex.join(command)}\n"
+            log(f"\nFAILED: {label}, run {repeat}/{args.repeats}, {error}\n"
+                f"command: {shlex.join(command)}\n"
                 f"--- end of its stderr ---\n{run['stderr_tail']}\n"
                 "--- the remaining runs of this configuration are skipped ---\n")
             break
         config["figures"].append(run["figures"])
-        log(f"    {run['seconds']:.1f} s: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                      for k, v in run["figures"].items()))
+        log(f"    {run['seconds']:.1f} s: "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                        for k, v in run["figures"].items()))
     config["failed"] = len(config["figures"]) < args.repeats
 
-# ----------------------------------------------------------------------------------------------- tables
+# ------------------------------------------------------------------------------------------- tables
 
 
 def median(config, key):
-    """The median over a configuration's runs; None when it was not run or failed, or a run lacks the figure."""
+    """The median over a configuration's runs.
+
+    None when it was not run or failed, or a run lacks the figure.
+    """
     if config is None or config["failed"]:
         return None
     values = [f[key] for f in config["figures"]]
@@ -320,46 +371,51 @@ def find(benchmark, device, **fields):
 
 machine = (f"{cpu_model()}, {cores} CPU cores, {platform.system()} {platform.machine()}, Python "
            f"{platform.python_version()}, torch {torch.__version__}"
-           + (f", GPU: {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})" if gpu else ", no GPU used"))
-threads = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" if "OMP_NUM_THREADS" in os.environ else
-           "OMP_NUM_THREADS unset (torchrun sets 1 per process when it starts more than one; one process uses "
-           "every core)")
+           + (f", GPU: {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})" if gpu
+              else ", no GPU used"))
+threads = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}" if "OMP_NUM_THREADS" in os.environ
+           else "OMP_NUM_THREADS unset (torchrun sets 1 per process when it starts more than one; "
+                "one process uses every core)")
 runs_said = f"median of {args.repeats} run{'s' if args.repeats > 1 else ''}"
 if args.smoke:
     runs_said += " (SMOKE RUN, not figures to quote)"
 out = [f"Measured on: {machine}; {threads}.",
        f"Command: `{shlex.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.",
-       f"Every figure is the {runs_said} of the configuration. Epoch time: per run, the median of the epochs "
-       "after the first; then the median over runs. Memory per rank is the maximum over ranks."]
+       f"Every figure is the {runs_said} of the configuration. Epoch time: per run, the median "
+       "of the epochs after the first; then the median over runs. Memory per rank is the maximum "
+       "over ranks."]
 out += notes
 peak_label = {"cpu": "peak RSS / rank (MiB)", "cuda": "peak CUDA allocated (MiB)"}
 for device in ["cpu"] + (["cuda"] if gpu else []):
     where = "CPU, gloo" if device == "cpu" else "GPU, NCCL, world size 1"
     if "mnist" in args.only:
         ddp = find("mnist", device, name="DDP")
-        headers = ["configuration", "world size", "train state / rank (MiB)", "state vs DDP", peak_label[device],
-                   "epoch time (s)", "time vs DDP", "train samples/s"] + (["CUDA-event time, all epochs (s)"]
-                                                                     if device == "cuda" else [])
+        headers = (["configuration", "world size", "train state / rank (MiB)", "state vs DDP",
+                    peak_label[device], "epoch time (s)", "time vs DDP", "train samples/s"]
+                   + (["CUDA-event time, all epochs (s)"] if device == "cuda" else []))
         rows = []
         for c in configs:
             if c["benchmark"] != "mnist" or c["device"] != device:
                 continue
             rows.append([c["name"] + (" (FAILED)" if c["failed"] else ""), c["world_size"],
-                         fmt(median(c, "state_mib"), ".3f"), fmt(ratio(median(c, "state_mib"),
-                                                                       median(ddp, "state_mib")), ".2f"),
+                         fmt(median(c, "state_mib"), ".3f"),
+                         fmt(ratio(median(c, "state_mib"), median(ddp, "state_mib")), ".2f"),
                          fmt(median(c, "peak_mib"), ".1f"), fmt(median(c, "epoch_s"), ".3f"),
                          fmt(ratio(median(c, "epoch_s"), median(ddp, "epoch_s")), ".2f"),
                          fmt(median(c, "samples_per_s"), ",.0f")]
                         + ([fmt(median(c, "cuda_event_s"), ".3f")] if device == "cuda" else []))
         out += [f"\n### MNIST: DDP vs FSDP1 ({where})\n",
-                f"{mnist_source}; batch size 64 per rank, {args.mnist_epochs} epochs, Adadelta; {runs_said}. "
-                "Epoch time includes the test pass; train samples/s = training samples of an epoch / epoch time."
-                + (" At world size 1 FSDP1 runs FULL_SHARD as NO_SHARD: nothing is sharded." if device == "cuda"
-                   else "") + "\n",
+                f"{mnist_source}; batch size 64 per rank, {args.mnist_epochs} epochs, Adadelta; "
+                f"{runs_said}. Epoch time includes the test pass; train samples/s = training "
+                "samples of an epoch / epoch time."
+                + (" At world size 1 FSDP1 runs FULL_SHARD as NO_SHARD: nothing is sharded."
+                   if device == "cuda" else "")
+                + "\n",
                 markdown_table(headers, rows)]
     if "fsdp2" in args.only:
-        headers = ["world size", "options", "train state / rank (MiB)", "state vs world size 1", "ideal 1/N",
-                   peak_label[device], "time / step (ms)", "tokens/s", "tokens/s vs plain"]
+        headers = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
+                   "ideal 1/N", peak_label[device], "time / step (ms)", "tokens/s",
+                   "tokens/s vs plain"]
         rows = []
         for c in configs:
             if c["benchmark"] != "fsdp2" or c["device"] != device:
@@ -371,36 +427,43 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                          fmt(ratio(median(c, "state_mib"), median(single, "state_mib")), ".3f"),
                          f"{1 / c['world_size']:.3f}", fmt(median(c, "peak_mib"), ".1f"),
                          fmt(median(c, "step_ms"), ".2f"), fmt(median(c, "tokens_per_s"), ",.0f"),
-                         fmt(ratio(median(c, "tokens_per_s"), median(plain, "tokens_per_s")), ".2f")])
+                         fmt(ratio(median(c, "tokens_per_s"), median(plain, "tokens_per_s")),
+                             ".2f")])
         out += [f"\n### FSDP2: fully_shard on the small Transformer ({where})\n",
-                f"Default model (vocab 128, dim 64, 2 layers, 4 heads), global batch {FSDP2_BATCH} x "
-                f"{FSDP2_SEQ_LEN} tokens, {args.fsdp2_steps} steps; {runs_said}. tokens/s and time / step cover "
-                "every step, the first included; mixed-precision is bf16 compute with fp32 reduction"
-                + (" (slower on CPUs without native bf16)" if device == "cpu" else "; its tokens/s vs plain is the "
-                   "bf16 speed-up") + ".\n",
+                f"Default model (vocab 128, dim 64, 2 layers, 4 heads), global batch {FSDP2_BATCH} "
+                f"x {FSDP2_SEQ_LEN} tokens, {args.fsdp2_steps} steps; {runs_said}. tokens/s and "
+                "time / step cover every step, the first included; mixed-precision is bf16 "
+                "compute with fp32 reduction"
+                + (" (slower on CPUs without native bf16)" if device == "cpu"
+                   else "; its tokens/s vs plain is the bf16 speed-up")
+                + ".\n",
                 markdown_table(headers, rows)]
     if "t5" in args.only:
         base = find("t5", device, strategy="FULL_SHARD", prefetch="BACKWARD_PRE", precision="fp32")
-        no_shard = find("t5", device, strategy="NO_SHARD", prefetch="BACKWARD_PRE", precision="fp32")
-        headers = ["sharding strategy", "backward prefetch", "precision", "world size", "train state / rank (MiB)",
-                   "state vs NO_SHARD", peak_label[device], "epoch time (s)", "train samples/s",
-                   "samples/s vs FULL_SHARD BACKWARD_PRE fp32"]
+        no_shard = find("t5", device, strategy="NO_SHARD", prefetch="BACKWARD_PRE",
+                        precision="fp32")
+        headers = ["sharding strategy", "backward prefetch", "precision", "world size",
+                   "train state / rank (MiB)", "state vs NO_SHARD", peak_label[device],
+                   "epoch time (s)", "train samples/s", "samples/s vs FULL_SHARD BACKWARD_PRE fp32"]
         rows = []
         for c in configs:
             if c["benchmark"] != "t5" or c["device"] != device:
                 continue
             used = sorted({f["precision_used"] for f in c["figures"]})
-            precision = c["precision"] + ("" if used in ([], [c["precision"]]) else f" (ran as {'/'.join(used)})")
-            rows.append([c["strategy"] + (" (FAILED)" if c["failed"] else ""), c["prefetch"], precision,
-                         c["world_size"], fmt(median(c, "state_mib"), ".3f"),
+            precision = c["precision"] + ("" if used in ([], [c["precision"]])
+                                          else f" (ran as {'/'.join(used)})")
+            rows.append([c["strategy"] + (" (FAILED)" if c["failed"] else ""), c["prefetch"],
+                         precision, c["world_size"], fmt(median(c, "state_mib"), ".3f"),
                          fmt(ratio(median(c, "state_mib"), median(no_shard, "state_mib")), ".2f"),
                          fmt(median(c, "peak_mib"), ".1f"), fmt(median(c, "epoch_s"), ".3f"),
                          fmt(median(c, "samples_per_s"), ",.1f"),
-                         fmt(ratio(median(c, "samples_per_s"), median(base, "samples_per_s")), ".2f")])
+                         fmt(ratio(median(c, "samples_per_s"), median(base, "samples_per_s")),
+                             ".2f")])
         out += [f"\n### T5 fine-tuning: sharding strategies and backward prefetch ({where})\n",
-                f"{t5_source}; input 64 and output 24 tokens, 128 training and 31 validation articles, batch size 4 "
-                f"per rank, {args.t5_epochs} epochs, --no-save-model; {runs_said}. Epoch time includes validation; "
-                "train samples/s is the script's samples_per_s (training time of every epoch, validation excluded).\n",
+                f"{t5_source}; input 64 and output 24 tokens, 128 training and 31 validation "
+                f"articles, batch size 4 per rank, {args.t5_epochs} epochs, --no-save-model; "
+                f"{runs_said}. Epoch time includes validation; train samples/s is the script's "
+                "samples_per_s (training time of every epoch, validation excluded).\n",
                 markdown_table(headers, rows)]
 
 elapsed = time.perf_counter() - started
@@ -411,8 +474,8 @@ print(markdown)
 if args.out:
     Path(args.out).write_text(markdown)
 if args.raw_json:
-    Path(args.raw_json).write_text(json.dumps({"machine": machine, "settings": vars(args), "runs": runs}, indent=2,
-                                              default=str))
+    Path(args.raw_json).write_text(json.dumps({"machine": machine, "settings": vars(args),
+                                               "runs": runs}, indent=2, default=str))
 shutil.rmtree(tmp, ignore_errors=True)  # the fixtures and what the runs wrote
 if failures:
     log(f"{len(failures)} run(s) FAILED (their stderr is shown above):")

@@ -1,7 +1,8 @@
-"""benchmarks/run.py, run for real on the cheapest configuration: FSDP2, 5 steps, 3 runs at world size 1.
+"""benchmarks/run.py, run for real on the cheapest configuration.
 
-The same harness run also asks for world size 3, which the script refuses (its global batch of 32 does not
-split over 3 ranks): a real failed run, which must be shown and fail the harness without hiding the rest.
+FSDP2, 5 steps, 3 runs at world size 1. The same harness run also asks for world size 3, which the
+script refuses (its global batch of 32 does not split over 3 ranks): a real failed run, which must
+be shown and fail the harness without hiding the rest.
 """
 import json
 import os
@@ -13,8 +14,9 @@ import sys
 import pytest
 from conftest import REPO
 
-HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1", "ideal 1/N",
-           "peak RSS / rank (MiB)", "time / step (ms)", "tokens/s", "tokens/s vs plain"]
+HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
+           "ideal 1/N", "peak RSS / rank (MiB)", "time / step (ms)", "tokens/s",
+           "tokens/s vs plain"]
 # Table column -> (per-run figure in the raw JSON, decimals printed)
 MEDIANS = {"train state / rank (MiB)": ("state_mib", 3), "peak RSS / rank (MiB)": ("peak_mib", 1),
            "time / step (ms)": ("step_ms", 2), "tokens/s": ("tokens_per_s", 0)}
@@ -23,12 +25,14 @@ MEDIANS = {"train state / rank (MiB)": ("state_mib", 3), "peak RSS / rank (MiB)"
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("benchmarks")
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2", "--fsdp2-steps", "5",
-                           "--fsdp2-world-sizes", "1", "3", "--fsdp2-options", "plain", "--repeats", "3",
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
+                           "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
+                           "--fsdp2-options", "plain", "--repeats", "3",
                            "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
                           cwd=tmp, capture_output=True, text=True, timeout=300,
-                          # One thread per process, as torchrun gives 2 ranks: a lone process would take every core,
-                          # and OpenMP's spinning threads make it several times slower while other tests run.
+                          # One thread per process, as torchrun gives 2 ranks: a lone process
+                          # would take every core, and OpenMP's spinning threads make it several
+                          # times slower while other tests run.
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     raw = json.loads((tmp / "runs.json").read_text())
     return proc, (tmp / "tables.md").read_text(), raw["runs"]
@@ -39,7 +43,8 @@ def table_rows(markdown):
     lines = [line for line in markdown.splitlines() if line.startswith("|")]
     headers = [cell.strip() for cell in lines[0].strip("|").split("|")]
     assert headers == HEADERS, headers
-    rows = [dict(zip(headers, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[2:]]
+    rows = [dict(zip(headers, (cell.strip() for cell in line.strip("|").split("|"))))
+            for line in lines[2:]]
     return {int(row["world size"]): row for row in rows}
 
 
@@ -62,7 +67,8 @@ def test_table_shows_the_median_of_the_runs(harness):
         median = statistics.median(run["figures"][figure] for run in good)
         printed = float(row[column].replace(",", ""))
         assert printed == pytest.approx(median, abs=0.51 * 10**-decimals), column
-    assert row["state vs world size 1"] == row["ideal 1/N"] == "1.000" and row["tokens/s vs plain"] == "1.00"
+    assert (row["state vs world size 1"] == row["ideal 1/N"] == "1.000"
+            and row["tokens/s vs plain"] == "1.00")
 
 
 def test_a_failed_run_is_shown_and_fails_the_harness(harness):
@@ -71,8 +77,11 @@ def test_a_failed_run_is_shown_and_fails_the_harness(harness):
     failed = [run for run in runs if run["world_size"] == 3]
     assert len(failed) == 1 and failed[0]["returncode"] != 0  # its other 2 runs were not attempted
     # The script's own error line, in the stderr the harness prints.
-    assert re.search(r"FAILED: fsdp2 cpu world size 3 plain, run 1/3, exit status [1-9]", proc.stderr), proc.stderr
-    assert "error: --batch-size 32 (the global batch) is not divisible by world size 3" in proc.stderr
+    assert re.search(r"FAILED: fsdp2 cpu world size 3 plain, run 1/3, exit status [1-9]",
+                     proc.stderr), proc.stderr
+    assert ("error: --batch-size 32 (the global batch) is not divisible by world size 3"
+            in proc.stderr)
     row = table_rows(markdown)[3]
-    assert row["options"] == "plain (FAILED)" and row["tokens/s"] == "n/a" and row["state vs world size 1"] == "n/a"
+    assert (row["options"] == "plain (FAILED)" and row["tokens/s"] == "n/a"
+            and row["state vs world size 1"] == "n/a")
     assert "1 FAILED" in markdown
