@@ -1,18 +1,19 @@
 """FSDP1 (FullyShardedDataParallel) training of the MNIST CNN, on GPUs or on CPU.
 
-A working version of the PyTorch "Getting Started with FSDP" tutorial, with the FSDP1 options
-(sharding strategy, backward prefetch, CPU offload, use_orig_params) as flags. ddp_mnist.py is
-the same program with DDP, the baseline it is compared with.
+It teaches how FSDP1 wraps a model: which submodules become FSDP units (size-based auto-wrap),
+what each rank keeps of the parameters, gradients and optimizer state (sharding strategy), when
+the next unit is gathered in backward (backward prefetch), CPU offload, and saving a full state
+dict of a sharded model. The FSDP part is wrap_model(); describe_fsdp() prints what it built.
+ddp_mnist.py is the same program with DDP. After the PyTorch tutorial "Getting Started with FSDP".
 
-Launch it either way:
-    python fsdp1_mnist.py                      # one process per GPU; 2 CPU processes without GPUs
-    python fsdp1_mnist.py --no-cuda --world-size 4 --epochs 1
+    python fsdp1_mnist.py                              # one process per GPU, or 2 CPU processes
+    python fsdp1_mnist.py --cpu --world-size 4 --epochs 1
     torchrun --nproc_per_node 4 fsdp1_mnist.py --auto-wrap-min-params 20000
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         fsdp1_mnist.py --sharding-strategy HYBRID_SHARD
 
-CUDA + NCCL are used when a GPU is visible, CPU + gloo otherwise (or with --no-cuda). MNIST is
-downloaded into --data-dir on first use where there is network.
+CUDA + NCCL when a GPU is visible, else CPU + gloo. The "Plumbing" section at the end is the
+same in all four scripts and not part of the lesson.
 """
 import argparse
 import datetime
@@ -45,60 +46,6 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
 
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-def rank0_print(*args, **kwargs):
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def fail(message, node_local=False):
-    """Stop this rank with exit code 1. Rank 0 says what is wrong in one line, without a traceback (with
-    node_local, each node's local rank 0 does: for a problem of one node)."""
-    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        wait_for_rank0_to_report()
-    sys.exit(1)
-
-
-def wait_for_rank0_to_report():
-    """torchrun stops every worker as soon as one fails: a rank that left first could have rank 0 killed before
-    it prints why. Rank 0 exits right after its line, and torchrun then stops the ranks still waiting here."""
-    time.sleep(10)
-
-
-def agree_on_error(error):
-    """Fail on every rank if any rank found an error, so that no rank waits forever for the others."""
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        fail(first)
-
-
-def output_error(outputs):
-    """Why a file cannot be written into one of the {flag: directory} folders (made if missing), or None.
-    Checked before training, so that a bad path fails the run in seconds instead of at the first save."""
-    for flag, directory in outputs.items():
-        if not directory:
-            continue
-        if os.path.exists(directory) and not os.path.isdir(directory):
-            return f"{flag}: {directory} is a file, so nothing can be written into it; pass another path"
-        try:
-            os.makedirs(directory, exist_ok=True)
-            tempfile.TemporaryFile(dir=directory).close()  # creating a file is the only test that holds for root too
-        except OSError as e:
-            return f"{flag}: cannot write into {directory} ({e.strerror or e}); pass a writable directory"
-    return None
-
-
-def peer_lost(error):
-    """Whether a failed collective means another rank stopped answering: gloo raises a RuntimeError naming
-    its transport, the other backends a DistError. (NCCL's watchdog usually ends the process itself.)"""
-    return isinstance(error, dist.DistError) or "gloo" in str(error)
-
 
 class Net(nn.Module):
     def __init__(self):
@@ -119,51 +66,114 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+# ------------------------------------------------------------------------------------------ data
+MNIST_FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k")
+               for kind in ("images-idx3", "labels-idx1")]
+
+
+def load_mnist(data_dir):
+    """MNIST's train and test sets, downloaded into data_dir (once per node) if missing."""
+    raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
+    normalize = transforms.Compose([transforms.ToTensor(),
+                                    transforms.Normalize((0.1307,), (0.3081,))])
+    def load():
+        missing = not all(os.path.exists(os.path.join(raw_dir, name)) for name in MNIST_FILES)
+        made = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir)
+                if not os.path.exists(d)]
+        try:  # torchvision downloads only missing files
+            return [datasets.MNIST(data_dir, train=train, download=True, transform=normalize)
+                    for train in (True, False)]
+        except Exception as e:
+            if missing:  # a failed download leaves no empty folders behind
+                for folder in made[:1]:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise ValueError(  # the last line of torchvision's message says why
+                    f"MNIST is not in {raw_dir} and downloading it failed ("
+                    f"{str(e).strip().splitlines()[-1]}). On a machine with network run: python -c "
+                    "\"from torchvision.datasets import MNIST; MNIST('data', download=True)\" and "
+                    f"pass --data-dir data (or copy data/MNIST into {os.path.abspath(data_dir)}).")
+            problems = [idx_problem(os.path.join(raw_dir, name)) for name in MNIST_FILES]
+            raise ValueError(f"cannot read MNIST from {raw_dir} ("  # torchvision names no file
+                             f"{next(filter(None, problems), None) or repr(e)}); delete that "
+                             "folder to download it again.")
+
+    return local_rank_zero_first(load)
+
+
+def local_rank_zero_first(load):
+    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
+    caches are written once per node. A ValueError on any rank stops every rank with its text."""
+    result = None
+    for first in (True, False):
+        error = None
+        if (os.environ["LOCAL_RANK"] == "0") == first:
+            try:
+                result = load()
+            except ValueError as e:
+                error = str(e)
+        agree_on_error(error)
+    return result
+
+
 def idx_problem(path):
-    """Why path is not a complete IDX file of unsigned bytes (MNIST's format), or None. Asked only when
-    torchvision's reader has failed: it says so with an empty AssertionError or a reshape error, naming no file."""
-    if not os.path.isfile(path):
-        return f"{os.path.basename(path)} is missing"
-    with open(path, "rb") as f:
-        data = f.read()  # at most 47 MB
+    """Why path is not a complete IDX file (MNIST's format), or None."""
+    with open(path, "rb") as f:  # it exists: torchvision would have downloaded it otherwise
+        data = f.read()
     if len(data) < 4 or data[:3] != b"\x00\x00\x08":
         return f"{os.path.basename(path)} does not start with an IDX header"
-    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3])]
-    expected = 4 + 4 * len(dims) + math.prod(dims)
-    if len(data) != expected:
-        return f"{os.path.basename(path)} has {len(data)} bytes where its header says {expected}: truncated?"
-    return None
+    size = 4 + 4 * data[3] + math.prod(int.from_bytes(data[i:i + 4], "big")
+                                       for i in range(4, 4 + 4 * data[3], 4))
+    if len(data) != size:
+        return f"{os.path.basename(path)} has {len(data)} bytes, its header says {size}: truncated?"
 
 
-def load_mnist(data_dir, local_rank):
-    """Return the MNIST train and test sets, downloading them once per node if they are missing."""
-    raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
-    error = None
-    if local_rank == 0 and not all(os.path.exists(os.path.join(raw_dir, f)) for f in MNIST_FILES):
-        new_dirs = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir) if not os.path.exists(d)]
-        try:
-            datasets.MNIST(data_dir, train=True, download=True)
-        except Exception as e:
-            if new_dirs:  # the folders the failed download made, and any partial file in them
-                shutil.rmtree(new_dirs[0], ignore_errors=True)
-            reason = str(e).strip().splitlines()[-1]
-            error = (f"MNIST is not in {raw_dir} and downloading it failed ({reason}). On a machine with network "
-                     f"run: python -c \"from torchvision.datasets import MNIST; MNIST('data', download=True)\" and "
-                     f"pass --data-dir data (or copy data/MNIST into {os.path.abspath(data_dir)}).")
-    agree_on_error(error)  # also makes the other ranks wait for the download
+# ------------------------------------------------------------------------------------------ FSDP
+def wrap_model(model, args, device):
+    """FSDP1: each rank keeps only its shard of the parameters, gradients and optimizer state,
+    and gathers a unit's full parameters only while it computes with them."""
+    strategy = ShardingStrategy[args.sharding_strategy]
+    world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    if strategy != ShardingStrategy.NO_SHARD and (world_size == 1 or local_world_size == 1 and
+                                                  strategy == ShardingStrategy.HYBRID_SHARD):
+        # Nothing to shard with. FSDP1 would switch to NO_SHARD with a warning, and for HYBRID_SHARD
+        # on nodes of one process reduce within each node only: each node would train on its own.
+        rank0_print(f"{strategy.name} with one process{' per node' * (world_size > 1)}: NO_SHARD")
+        strategy = ShardingStrategy.NO_SHARD
+    mesh, policy = None, None  # None: the whole model is one FSDP unit
+    if strategy == ShardingStrategy.HYBRID_SHARD:
+        # Shard within a node, replicate across nodes: a (nodes, processes per node) mesh.
+        mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size))
+    if args.auto_wrap_min_params > 0:  # every submodule with that many parameters: its own unit
+        policy = functools.partial(size_based_auto_wrap_policy,
+                                   min_num_params=args.auto_wrap_min_params)
+    return FSDP(
+        model,  # built on CPU; FSDP moves it to device_id one unit at a time
+        auto_wrap_policy=policy,
+        sharding_strategy=strategy,
+        device_mesh=mesh,
+        cpu_offload=CPUOffload(offload_params=True) if args.cpu_offload else None,
+        backward_prefetch=(None if args.backward_prefetch == "NONE"
+                           else BackwardPrefetch[args.backward_prefetch]),
+        use_orig_params=args.use_orig_params,
+        device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator and refuses
+    )
 
-    transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    try:
-        train_set = datasets.MNIST(data_dir, train=True, transform=transform)
-        test_set = datasets.MNIST(data_dir, train=False, transform=transform)
-    except Exception as e:
-        problem = next(filter(None, (idx_problem(os.path.join(raw_dir, f)) for f in MNIST_FILES)), None)
-        error = (f"cannot read MNIST from {raw_dir} ({problem or ' '.join(str(e).split()) or type(e).__name__}); "
-                 "delete that folder to download it again.")
-    agree_on_error(error)
-    return train_set, test_set
+
+def describe_fsdp(model):
+    """Print what FSDP built, read from the wrapped model itself rather than from the flags."""
+    units = [(name.replace("_fsdp_wrapped_module.", "") or "root", unit)
+             for name, unit in model.named_modules() if isinstance(unit, FSDP)]
+    rank0_print(f"FSDP built {len(units)} unit(s): {model.sharding_strategy.name}, backward "
+                f"prefetch {getattr(model.backward_prefetch, 'name', 'NONE')}, CPU offload "
+                f"{model.cpu_offload.offload_params}, use_orig_params {model._use_orig_params}")
+    for name, unit in units:
+        flat = unit._flat_param  # private: the unit's own parameters, flattened and sharded
+        total = flat._unpadded_unsharded_size.numel() if flat is not None else 0
+        rank0_print(f"  {name} ({type(unit.module).__name__}): {total:,} parameters, "
+                    f"{flat.numel() if flat is not None else 0:,} on rank 0")
 
 
+# ------------------------------------------------------------------------------------------ step
 def train(model, device, loader, optimizer, epoch, dry_run):
     model.train()
     loader.sampler.set_epoch(epoch)
@@ -178,25 +188,22 @@ def train(model, device, loader, optimizer, epoch, dry_run):
         if dry_run:
             break
     dist.all_reduce(totals)
-    train_loss = (totals[0] / totals[1]).item()
-    rank0_print(f"Train Epoch: {epoch} \tLoss: {train_loss:.6f}")
-    return train_loss
+    rank0_print(f"Train Epoch: {epoch} \tLoss: {totals[0] / totals[1]:.6f}")
+    return (totals[0] / totals[1]).item()
 
 
 def test(model, device, loader, dry_run):
     model.eval()
-    sampler = loader.sampler
+    sampler, seen = loader.sampler, 0
     totals = torch.zeros(3, device=device)  # summed loss, correct, samples
-    seen = 0
     with torch.no_grad():
         for data, target in loader:
             data, target = data.to(device), target.to(device)
             output = model(data)
-            # DistributedSampler pads the test set with repeated samples so that every rank runs the
-            # same number of batches (FSDP needs every rank in every forward). Count each real sample
-            # once: this rank's k-th sample sits at position rank + k * world_size of the padded list.
-            position = sampler.rank + sampler.num_replicas * torch.arange(seen, seen + len(data), device=device)
-            real = position < len(sampler.dataset)
+            # DistributedSampler repeats samples to give every rank as many batches (FSDP needs all
+            # ranks in every forward): count each sample once, by its index rank + k * world_size.
+            index = sampler.rank + sampler.num_replicas * torch.arange(seen, seen + len(data))
+            real = (index < len(sampler.dataset)).to(device)
             seen += len(data)
             totals[0] += F.nll_loss(output[real], target[real], reduction="sum")
             totals[1] += (output.argmax(dim=1) == target)[real].sum()
@@ -210,245 +217,283 @@ def test(model, device, loader, dry_run):
     return test_loss, correct / count
 
 
-def train_state_bytes(model, optimizer):
-    """Bytes this rank holds in parameters, gradients and optimizer state (local shards under FSDP)."""
-    params = list(model.parameters())
-    tensors = params + [p.grad for p in params if p.grad is not None]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+# ------------------------------------------------------------------------------------ checkpoint
+def save_model(model, path="mnist_cnn.pt"):
+    """Gather the full state dict and save it from rank 0: it loads into a plain Net()."""
+    # Every rank gathers; with cpu_offload only rank 0 receives the full tensors, on CPU.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
+    if dist.get_rank() == 0:
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
+        rank0_print(f"Saved {path}")
+    return path
 
 
-def max_over_ranks(value, device):
-    t = torch.tensor(float(value), dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+# ------------------------------------------------------------------------------------------ main
+def main(args, device):
+    if args.cpu_offload and device.type != "cuda":
+        fail("--cpu-offload moves parameters between GPU and host memory and needs a CUDA GPU; "
+             "none is in use here (drop --cpu-offload, or run on a GPU without --cpu).")
+    torch.manual_seed(args.seed)
+    check_outputs(args, {"--save-model (./mnist_cnn.pt)": args.save_model and os.getcwd()})
+    train_set, test_set = load_mnist(args.data_dir)
+    loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
+                              sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
+    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_kwargs,
+                             sampler=DistributedSampler(test_set, shuffle=False))
 
-
-def save_atomic(obj, path):
-    """Write to a temporary name and rename, so that no reader ever sees a half-written file."""
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def train_and_test(args, device):
-    rank, world_size, local_rank = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
-    use_cuda = device.type == "cuda"
-    metrics_dir = args.metrics_json and os.path.dirname(os.path.abspath(args.metrics_json))
-    outputs = {"--save-model (./mnist_cnn.pt)": args.save_model and os.getcwd(), "--metrics-json": metrics_dir}
-    agree_on_error(output_error(outputs) if rank == 0 else None)
-    train_set, test_set = load_mnist(args.data_dir, local_rank)
-    train_sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
-    test_sampler = DistributedSampler(test_set, shuffle=False)
-    loader_kwargs = {"num_workers": 2, "pin_memory": True} if use_cuda else {}
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=train_sampler, **loader_kwargs)
-    test_loader = DataLoader(test_set, batch_size=args.test_batch_size, sampler=test_sampler, **loader_kwargs)
-
-    strategy = ShardingStrategy[args.sharding_strategy]
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if strategy == ShardingStrategy.HYBRID_SHARD and local_world_size == 1 < world_size:
-        # One process per node leaves nothing to shard within a node. FSDP1 would clamp the size-1 shard group
-        # to NO_SHARD and then never all-reduce across the nodes: every node would train on its own.
-        rank0_print("HYBRID_SHARD with one process per node only replicates: using NO_SHARD over all ranks")
-        strategy = ShardingStrategy.NO_SHARD
-    mesh = None
-    if strategy == ShardingStrategy.HYBRID_SHARD:
-        # Shard within a node, replicate across nodes: a (nodes, processes per node) mesh.
-        mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size))
-    model = FSDP(
-        Net(),  # built on CPU; FSDP moves it to device_id one unit at a time
-        auto_wrap_policy=(functools.partial(size_based_auto_wrap_policy, min_num_params=args.auto_wrap_min_params)
-                          if args.auto_wrap_min_params > 0 else None),
-        sharding_strategy=strategy,
-        device_mesh=mesh,
-        cpu_offload=CPUOffload(offload_params=True) if args.cpu_offload else None,
-        backward_prefetch=None if args.backward_prefetch == "NONE" else BackwardPrefetch[args.backward_prefetch],
-        use_orig_params=args.use_orig_params,
-        device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator and refuses to start
-    )
-    rank0_print(model)
-    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    model = wrap_model(Net(), args, device)
+    describe_fsdp(model)
+    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)  # after wrapping: sees the shards
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
-
-    if use_cuda:
-        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_event.record()
-    start = time.perf_counter()
-    train_losses, epoch_times = [], []
+    report, train_losses = Report(args, device), []
     for epoch in range(1, args.epochs + 1):
-        epoch_start = time.perf_counter()
         train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
         test_loss, accuracy = test(model, device, test_loader, args.dry_run)
         scheduler.step()
-        epoch_times.append(time.perf_counter() - epoch_start)
-    wall_s = time.perf_counter() - start
-    if use_cuda:
-        end_event.record()
-        end_event.synchronize()
-        rank0_print(f"CUDA event elapsed time: {start_event.elapsed_time(end_event) / 1000:.3f}sec")
-    else:
-        rank0_print(f"Wall-clock elapsed time: {wall_s:.3f}sec")
-
-    # Sizes are fixed from the first optimizer step on; the last step's gradients are still held.
-    state_bytes = max_over_ranks(train_state_bytes(model, optimizer), device)
-    peak = (torch.cuda.max_memory_allocated(device) if use_cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss is in KiB
-    peak = max_over_ranks(peak, device)
-    rank0_print(f"Peak memory per rank ({'CUDA allocated' if use_cuda else 'process RSS'}): {peak / 2**20:.1f} MB; "
-                f"parameters + gradients + optimizer state: {state_bytes / 2**20:.2f} MB")
-
-    checkpoint = None
-    if args.save_model:
-        # Every rank takes part in gathering the full (unsharded) state dict; with cpu_offload only
-        # rank 0 receives it, on CPU, so no rank ever holds a second full copy on its device.
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        checkpoint = os.path.abspath("mnist_cnn.pt")
-        if rank == 0:
-            save_atomic(state, checkpoint)
-            rank0_print(f"Saved {checkpoint}")
-
-    if args.metrics_json and rank == 0:
-        metrics = {
-            "script": os.path.basename(__file__), "world_size": world_size, "device": device.type,
-            "backend": dist.get_backend(), "train_loss": train_losses[-1], "train_losses": train_losses,
-            "test_loss": test_loss, "accuracy": accuracy, "wall_s": wall_s, "epoch_times": epoch_times,
-            "train_state_bytes": state_bytes, "peak_memory_bytes": peak, "checkpoint": checkpoint,
-            "sharding_strategy": strategy.name, "auto_wrap_min_params": args.auto_wrap_min_params,
-        }
-        tmp = f"{args.metrics_json}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(metrics, f, indent=2)
-        os.replace(tmp, args.metrics_json)
+        report.lap()
+    report.training_done(model, optimizer)  # the last step's gradients are still held
+    checkpoint = save_model(model) if args.save_model else None
+    report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
+                 accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint,
+                 sharding_strategy=model.sharding_strategy.name,
+                 auto_wrap_min_params=args.auto_wrap_min_params)
 
 
-def main(args):
-    local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available() and not args.no_cuda
-    if args.cpu_offload and not use_cuda:
-        fail("--cpu-offload moves parameters between GPU and host memory and needs a CUDA GPU; "
-             "none is in use here (drop --cpu-offload, or run on a GPU without --no-cuda).")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if use_cuda and local_world_size > torch.cuda.device_count():
-        fail(f"{local_world_size} processes on this node but {torch.cuda.device_count()} GPUs visible; start at most "
-             "one process per GPU (torchrun --nproc_per_node).", node_local=True)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
+def parse_args():
+    parser = RankZeroArgumentParser(
+        description="PyTorch MNIST example with FSDP1 (FullyShardedDataParallel)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--batch-size", type=positive(int), default=64, metavar="N", help="batch per process")
+    add("--test-batch-size", type=positive(int), default=1000, metavar="N", help="test batch")
+    add("--epochs", type=positive(int), default=10, metavar="N", help="number of epochs to train")
+    add("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
+    add("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma per epoch")
+    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
+    add("--dry-run", action="store_true", help="one training and one test batch per epoch")
+    add("--seed", type=int, default=1, metavar="S", help="random seed (init, dropout, shuffling)")
+    add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
+    add("--data-dir", default="../data", help="folder of MNIST/raw; downloaded there if missing")
+    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
+        "torchrun (default: one per GPU, or 2 on CPU)")
+    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
+        "for a lost or hung peer before the job fails (longer than the MNIST download)")
+    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
+    add("--auto-wrap-min-params", type=int, default=0, metavar="N", help="an FSDP unit for every "
+        "submodule of >= N parameters (0: one unit; the tutorial's advanced section uses 20000)")
+    add("--cpu-offload", action="store_true", help="parameters in host memory (needs a GPU)")
+    add("--sharding-strategy", default="FULL_SHARD",
+        choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
+        help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3); SHARD_GRAD_OP "
+             "keeps parameters gathered from forward to backward (ZeRO-2); NO_SHARD is DDP-like; "
+             "HYBRID_SHARD shards within a node and replicates across nodes")
+    add("--backward-prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST",
+        "NONE"], help="when to all-gather the next unit's parameters in backward")
+    add("--use-orig-params", action="store_true", help="optimize the original parameters, not "
+        "FSDP's flat ones")
+    return parser.parse_args()
+
+
+# ==================================================================================================
+# Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
+# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
+# checks, time and memory figures, the metrics file, process-group set-up, launching.
+# ==================================================================================================
+
+def rank0_print(*args, **kwargs):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def fail(message, node_local=False):
+    """Exit 1 on this rank; rank 0 (node_local: each node's local rank 0) says why in one line."""
+    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    else:  # torchrun stops all workers once one has failed: give rank 0 the time to say why
+        time.sleep(10)
+    sys.exit(1)
+
+
+def agree_on_error(error):
+    """Fail on every rank if any rank found an error (a message), so that none waits for ever."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        fail(next(e for e in errors if e))
+
+
+def check_outputs(args, outputs):
+    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and beside
+    --metrics-json: a bad path then fails the run in seconds, not at the first save."""
+    outputs["--metrics-json"] = args.metrics_json and os.path.dirname(os.path.abspath(
+        args.metrics_json))
+    error = None
+    for flag, folder in outputs.items() if dist.get_rank() == 0 else ():
+        try:
+            if folder and not error:
+                os.makedirs(folder, exist_ok=True)
+                tempfile.TemporaryFile(dir=folder).close()  # the one check that holds for root too
+        except OSError as e:
+            problem = "is a file" if os.path.isfile(folder) else f"is not writable ({e.strerror})"
+            error = f"{flag}: {folder} {problem}, so nothing can be written into it; pass another"
+    agree_on_error(error)
+
+
+class Report:
+    """Times the run (on a GPU with CUDA events too), measures memory per rank, prints both and
+    writes --metrics-json: the figures of every script, plus the script's own (write())."""
+
+    def __init__(self, args, device):
+        self.args, self.device, self.start, self.laps = args, device, time.perf_counter(), []
+        self.cuda = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        self.cuda = self.cuda if device.type == "cuda" else None
+        if self.cuda:
+            self.cuda[0].record()
+
+    def lap(self):
+        """Seconds since the previous lap, or since the start; self.laps keeps them all."""
+        self.laps.append(time.perf_counter() - self.start - sum(self.laps))
+        return self.laps[-1]
+
+    def memory(self, model, optimizer):
+        """(train state, peak) bytes, the maximum over ranks: parameters + gradients + optimizer
+        state (shards under FSDP, replicas under DDP); CUDA max allocated, or the peak RSS."""
+        tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+        for state in optimizer.state.values():
+            tensors += [value for value in state.values() if torch.is_tensor(value)]
+        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
+        peak = (torch.cuda.max_memory_allocated(self.device) if self.cuda
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+        figures = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), peak],
+                               dtype=torch.float64, device=self.device)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        return int(figures[0]), int(figures[1])
+
+    def training_done(self, model, optimizer):
+        self.wall_s = time.perf_counter() - self.start
+        if self.cuda:
+            self.cuda[1].record()
+            self.cuda[1].synchronize()
+            seconds = self.cuda[0].elapsed_time(self.cuda[1]) / 1000
+            rank0_print(f"CUDA event elapsed time: {seconds:.3f}sec")
+        else:
+            rank0_print(f"Wall-clock elapsed time: {self.wall_s:.3f}sec")
+        self.state, self.peak = self.memory(model, optimizer)
+        rank0_print(f"Peak memory per rank ({'CUDA allocated' if self.cuda else 'process RSS'}): "
+                    f"{self.peak / 2**20:.1f} MiB; parameters + gradients + optimizer state: "
+                    f"{self.state / 2**20:.3f} MiB")
+
+    def write(self, **metrics):
+        """Rank 0 writes --metrics-json, under a temporary name first: never half-written."""
+        if self.args.metrics_json and dist.get_rank() == 0:
+            metrics = {"script": os.path.basename(__file__), "world_size": dist.get_world_size(),
+                       "device": self.device.type, "backend": dist.get_backend(), "wall_s":
+                       self.wall_s, "train_state_bytes": self.state, "peak_memory_bytes":
+                       self.peak, **metrics}
+            with open(f"{self.args.metrics_json}.tmp", "w") as f:
+                json.dump(metrics, f, indent=2)
+            os.replace(f"{self.args.metrics_json}.tmp", self.args.metrics_json)
+
+
+def init_process_group(backend, timeout):
+    """dist.init_process_group, with a store prefix of its own for each torchrun restart.
+
+    Workaround: torchrun (torch 2.14, 2.15) shares one store between the restarts of
+    --max-restarts without a prefix per restart: restarted workers read the addresses of those
+    they replace and fail, "Connection refused" (as in pytorch/pytorch#167288). Remove it when
+    tests/test_faults.py passes without it."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return dist.init_process_group(backend, timeout=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout)
+
+
+def run_worker(args, use_cuda):
+    """main(args, device) in this process's process group; a lost peer ends it in one line."""
+    gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
+    if use_cuda and local_world_size > gpus:
+        fail(f"{local_world_size} processes on this node but {gpus} GPUs visible; start at most "
+             "one process per GPU (torchrun --nproc_per_node)", node_local=True)
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    torch.manual_seed(args.seed)
-
-    try:
-        # A collective that waits longer than --dist-timeout for a peer fails the job instead of hanging it.
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.dist_timeout))
-        train_and_test(args, device)  # its model and optimizer are garbage once it returns
+    try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
+        init_process_group("nccl" if use_cuda else "gloo",
+                           datetime.timedelta(seconds=args.dist_timeout))
+        main(args, device)  # its model and optimizer are garbage once it returns
     except RuntimeError as e:
-        if not peer_lost(e):
+        if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
-        # Said by every rank that notices: the rank that was lost may be rank 0.
-        reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo prefixes its source location
-        print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank died, hung or lost "
-              f"its network, or took longer than --dist-timeout {args.dist_timeout:g}s; see the other ranks' logs",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
+        reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
+        print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank "
+              "died, hung or lost its network, or took longer than --dist-timeout "
+              f"{args.dist_timeout:g}s; see the other ranks' logs", file=sys.stderr, flush=True)
+        sys.exit(1)  # said by every rank that notices: the rank that was lost may be rank 0
     finally:
-        # FSDP's units keep the process group alive through reference cycles. Free them now, while the
-        # interpreter is fully alive: left to the exit, gloo's worker threads can abort a finished run
-        # with SIGABRT ("terminate called without an active exception").
+        # Workaround: FSDP and DDP keep the process group alive through reference cycles; freed
+        # only at exit, gloo's threads can abort a finished run with SIGABRT ("terminate called
+        # without an active exception"; torch 2.14, 2.15). Free them while Python still can.
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def spawn_worker(local_rank, world_size, port, args):
-    # Set what torchrun would set, so that both launch modes run the same code.
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "OMP_NUM_THREADS" not in os.environ:  # like torchrun: share the cores instead of oversubscribing them
+def spawn_worker(rank, args, use_cuda, world_size, port):
+    # What torchrun would set, so that both ways to launch run the same code.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    main(args)
+    run_worker(args, use_cuda)
 
 
-def free_port():
+def launch(args):
+    """Under torchrun, run in this process; started with python, spawn --world-size processes
+    (default: one per GPU, or 2 on CPU) that meet on a free port of this machine."""
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    if "RANK" in os.environ:
+        if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
+            fail(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE "
+                 f"{os.environ['WORLD_SIZE']}; leave --world-size out under torchrun")
+        return run_worker(args, use_cuda)
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    world_size = args.world_size or gpus or 2
+    if world_size > gpus > 0:
+        fail(f"--world-size {world_size} asks for more GPUs than the {gpus} present")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size)
+    except mp.ProcessExitedException as e:  # the failing worker has said why
+        sys.exit(e.exit_code or 1)
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
-    """Reports a usage error once, from rank 0, instead of once per torchrun worker."""
-
-    def error(self, message):
+    def error(self, message):  # once, from rank 0, instead of once per torchrun worker
         if int(os.environ.get("RANK", "0")) == 0:
             super().error(message)
-        wait_for_rank0_to_report()
-        sys.exit(2)
+        fail(message)
 
 
-def positive_int(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+def positive(kind):
+    """An argparse type: a number of that kind (int or float) above 0, so neither 0 nor NaN."""
+    def parse(text):
+        if not kind(text) > 0:
+            noun = "integer" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"must be a positive {noun}, got {text}")
+        return kind(text)
+    parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
+    return parse
 
 
 if __name__ == "__main__":
-    parser = RankZeroArgumentParser(description="PyTorch MNIST example with FSDP1 (FullyShardedDataParallel)",
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--batch-size", type=positive_int, default=64, metavar="N",
-                        help="input batch size per process for training")
-    parser.add_argument("--test-batch-size", type=positive_int, default=1000, metavar="N",
-                        help="input batch size per process for testing")
-    parser.add_argument("--epochs", type=positive_int, default=10, metavar="N", help="number of epochs to train")
-    parser.add_argument("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
-    parser.add_argument("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma (per epoch)")
-    parser.add_argument("--no-cuda", action="store_true", help="train on CPU with gloo even when GPUs are present")
-    parser.add_argument("--dry-run", action="store_true", help="one training and one test batch per epoch")
-    parser.add_argument("--seed", type=int, default=1, metavar="S", help="random seed (model init, dropout, shuffling)")
-    parser.add_argument("--save-model", action="store_true",
-                        help="save the full state dict to ./mnist_cnn.pt (loads into the plain Net)")
-    parser.add_argument("--data-dir", default="../data", help="folder holding MNIST/raw; downloaded there if missing")
-    parser.add_argument("--world-size", type=positive_int, default=None, metavar="N",
-                        help="processes to spawn when started with python (default: GPU count, or 2 on CPU); "
-                             "under torchrun, --nproc_per_node decides")
-    parser.add_argument("--dist-timeout", type=positive_float, default=600, metavar="S",
-                        help="seconds a collective waits for the other ranks before the job fails (a lost or hung "
-                             "peer); must exceed the longest pause of one rank, such as the MNIST download")
-    parser.add_argument("--metrics-json", default=None, metavar="PATH", help="write final metrics to PATH (rank 0)")
-    parser.add_argument("--auto-wrap-min-params", type=int, default=0, metavar="N",
-                        help="wrap every submodule with at least N parameters in its own FSDP unit "
-                             "(0: the whole model is one unit; the tutorial's advanced section uses 20000)")
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="keep parameters and gradients in host memory between uses (needs a GPU)")
-    parser.add_argument("--sharding-strategy", default="FULL_SHARD",
-                        choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
-                        help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3); SHARD_GRAD_OP "
-                             "keeps parameters gathered from forward to backward (ZeRO-2); NO_SHARD is DDP-like; "
-                             "HYBRID_SHARD shards within a node and replicates across nodes")
-    parser.add_argument("--backward-prefetch", default="BACKWARD_PRE",
-                        choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
-                        help="when to all-gather the next unit's parameters in backward")
-    parser.add_argument("--use-orig-params", action="store_true",
-                        help="expose the original parameters to the optimizer instead of FSDP's flat parameters")
-    args = parser.parse_args()
-
-    if "RANK" in os.environ:  # started by torchrun
-        if args.world_size and args.world_size != int(os.environ["WORLD_SIZE"]):
-            parser.error(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE "
-                         f"{os.environ['WORLD_SIZE']}; leave --world-size out under torchrun")
-        main(args)
-    else:
-        use_cuda = torch.cuda.is_available() and not args.no_cuda
-        world_size = args.world_size or (torch.cuda.device_count() if use_cuda else 2)
-        if use_cuda and world_size > torch.cuda.device_count():
-            parser.error(f"--world-size {world_size} asks for more GPUs than the {torch.cuda.device_count()} present")
-        try:
-            mp.spawn(spawn_worker, args=(world_size, free_port(), args), nprocs=world_size)
-        except mp.ProcessExitedException as e:  # the failing worker has already said why
-            sys.exit(e.exit_code or 1)
+    launch(parse_args())

@@ -19,9 +19,10 @@ from torch.utils.data import Dataset
 
 COLUMNS = ("headline", "title", "text")
 SPLIT_FILES = {"train": "all_train.txt", "validation": "all_val.txt", "test": "all_test.txt"}
-DOWNLOAD_HELP = ("download wikihowAll.csv from https://ucsb.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358 (linked from "
-                 "https://github.com/mahnazkoupaee/WikiHow-Dataset) into that folder, or pass --data-dir; "
-                 "README.md, 'Getting the data', has the commands")
+DOWNLOAD_HELP = ("download wikihowAll.csv from "
+                 "https://ucsb.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358 (linked from "
+                 "https://github.com/mahnazkoupaee/WikiHow-Dataset) into that folder, or pass "
+                 "--data-dir; README.md, 'Getting the data', has the commands")
 
 
 class WikiHowError(ValueError):
@@ -29,18 +30,18 @@ class WikiHowError(ValueError):
 
 
 def normalize_title(title):
-    """A title as the WikiHow dataset's process.py wrote it into the split lists: alphanumerics only."""
+    """A title as the WikiHow dataset's process.py wrote it into the split lists: alphanumerics."""
     return "".join(c for c in title if c.isalnum())
 
 
 def fallback_split(title):
-    """train, validation or test for a title, from a stable hash: 90% / 5% / 5%, disjoint, reproducible."""
+    """train, validation or test for a title, by a stable hash: 90/5/5%, disjoint, reproducible."""
     bucket = int(hashlib.md5(normalize_title(title).encode("utf-8")).hexdigest(), 16) % 100
     return "train" if bucket < 90 else "validation" if bucket < 95 else "test"
 
 
 def filter_and_clean(headline, text):
-    """The original loader's filter and fixes: None when the row is dropped, else (headline, text)."""
+    """The original loader's filter and fixes: None if the row is dropped, else (headline, text)."""
     headline, text = (headline or "").strip(), (text or "").strip()
     # Drops rows without a summary or article, and short articles with long summaries.
     if not headline or not text or len(headline) >= 0.75 * len(text):
@@ -49,14 +50,14 @@ def filter_and_clean(headline, text):
 
 
 def clean_text(text):
-    """The tutorial's clean_text, except that line breaks become spaces instead of gluing words together."""
+    """The tutorial's clean_text, except that line breaks become spaces instead of gluing words."""
     for junk in ("Example of text:", "Example of Summary:", "``", '"'):
         text = text.replace(junk, "")
     return " ".join(text.split())
 
 
 def read_articles(data_dir, split, num_samples=None):
-    """The first num_samples (all if None) cleaned (title, text, headline) rows of a split, in file order."""
+    """The first num_samples (all if None) cleaned (title, text, headline) rows of a split."""
     path = os.path.join(data_dir, "wikihowAll.csv")
     if not os.path.isfile(path):
         raise WikiHowError(f"{path} not found: {DOWNLOAD_HELP}")
@@ -67,13 +68,16 @@ def read_articles(data_dir, split, num_samples=None):
         raise WikiHowError(f"cannot read {path} ({e}); download it again") from None
     missing = [c for c in COLUMNS if c not in header]
     if missing:
-        raise WikiHowError(f"{path} lacks the column(s) {', '.join(missing)} (its header is {','.join(header)!r}); "
-                           f"wikihowAll.csv needs {', '.join(COLUMNS)}: {DOWNLOAD_HELP}")
+        raise WikiHowError(f"{path} lacks the column(s) {', '.join(missing)} (its header is "
+                           f"{','.join(header)!r}); wikihowAll.csv needs {', '.join(COLUMNS)}: "
+                           f"{DOWNLOAD_HELP}")
 
-    present = [name for name in SPLIT_FILES.values() if os.path.isfile(os.path.join(data_dir, name))]
+    present = [name for name in SPLIT_FILES.values()
+               if os.path.isfile(os.path.join(data_dir, name))]
     if present and len(present) < len(SPLIT_FILES):
-        raise WikiHowError(f"{data_dir} has {', '.join(present)} but not all of {', '.join(SPLIT_FILES.values())}: "
-                           "add the missing split lists, or remove them all to split by title hash")
+        raise WikiHowError(f"{data_dir} has {', '.join(present)} but not all of "
+                           f"{', '.join(SPLIT_FILES.values())}: add the missing split lists, or "
+                           "remove them all to split by title hash")
     titles = None
     if present:
         with open(os.path.join(data_dir, SPLIT_FILES[split]), encoding="utf-8") as f:
@@ -81,14 +85,17 @@ def read_articles(data_dir, split, num_samples=None):
 
     datasets.disable_progress_bars()
     verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # it logs a parse error that the one below repeats
+    # Quiet: it would log a parse error that the one raised below repeats.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         # na_filter=False: an empty field stays "" instead of becoming NaN.
-        table = datasets.load_dataset("csv", data_files=path, split="train", usecols=list(COLUMNS), na_filter=False,
-                                      features=datasets.Features({c: datasets.Value("string") for c in COLUMNS}))
+        features = datasets.Features({c: datasets.Value("string") for c in COLUMNS})
+        table = datasets.load_dataset("csv", data_files=path, split="train", usecols=list(COLUMNS),
+                                      na_filter=False, features=features)
     except Exception as e:
         reason = " ".join(str(e.__cause__ or e).split())
-        raise WikiHowError(f"cannot parse {path} as CSV ({reason[:300]}); download it again") from None
+        raise WikiHowError(f"cannot parse {path} as CSV ({reason[:300]}); download it again") \
+            from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -96,7 +103,10 @@ def read_articles(data_dir, split, num_samples=None):
     for batch in table.iter(batch_size=1000):
         for headline, title, text in zip(*(batch[c] for c in COLUMNS)):
             title = (title or "").strip()
-            in_split = normalize_title(title) in titles if titles is not None else fallback_split(title) == split
+            if titles is not None:
+                in_split = normalize_title(title) in titles
+            else:
+                in_split = fallback_split(title) == split
             cleaned = filter_and_clean(headline, text) if in_split else None
             if cleaned:
                 articles.append((title, clean_text(cleaned[1]), clean_text(cleaned[0])))
@@ -106,20 +116,20 @@ def read_articles(data_dir, split, num_samples=None):
 
 
 class wikihow(Dataset):
-    """WikiHow articles (source) and their headlines (target), tokenized once, padded to fixed lengths."""
+    """WikiHow articles (source) and their headlines (target), tokenized once, padded."""
 
-    def __init__(self, tokenizer, type_path, num_samples, input_length, output_length, print_text=False,
-                 data_dir="data"):
+    def __init__(self, tokenizer, type_path, num_samples, input_length, output_length,
+                 print_text=False, data_dir="data"):
         split = {"val": "validation"}.get(type_path, type_path)
         if split not in SPLIT_FILES:
-            raise WikiHowError(f"unknown split {type_path!r}: use train, validation (or val) or test")
+            raise WikiHowError(f"unknown split {type_path!r}: use train, validation (val) or test")
         self.articles = read_articles(data_dir, split, num_samples)
         if not self.articles:
-            raise WikiHowError(f"the {split} split of {os.path.join(data_dir, 'wikihowAll.csv')} has no usable "
-                               "articles; check the file and the split lists beside it")
+            raise WikiHowError(f"the {split} split of {os.path.join(data_dir, 'wikihowAll.csv')} "
+                               "has no usable articles; check it and the split lists beside it")
         self.print_text = print_text
-        source = tokenizer([text for _, text, _ in self.articles], max_length=input_length, padding="max_length",
-                           truncation=True, return_tensors="pt")
+        source = tokenizer([text for _, text, _ in self.articles], max_length=input_length,
+                           padding="max_length", truncation=True, return_tensors="pt")
         target = tokenizer([headline for _, _, headline in self.articles], max_length=output_length,
                            padding="max_length", truncation=True, return_tensors="pt")
         self.source_ids, self.source_mask = source["input_ids"], source["attention_mask"]

@@ -14,19 +14,25 @@ from digits_mnist import write_digits_mnist
 from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
-TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"  # where torchrun's failure report starts
+# where torchrun's failure report starts
+TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"
 
-NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}  # downloads fail at once
+# downloads fail at once
+NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 
-# The tiny configurations the test files share: the same command line is one cached run (cached_torchrun).
+# The tiny configurations the test files share: the same command line is one cached run
+# (cached_torchrun).
 MNIST_TINY = ["--batch-size", "32", "--test-batch-size", "100"]
-FSDP2_TINY = ["--vocab-size", 64, "--dim", 32, "--seq-len", 16, "--batch-size", 8, "--log-every", 5]
+FSDP2_TINY = ["--vocab-size", 64, "--dim", 32, "--n-layers", 3, "--seq-len", 16, "--batch-size", 8,
+              "--log-every", 5]
 # FSDP2's reference run: 20 steps on 2 ranks, checkpoints at steps 10 and 20 in its own folder.
 FSDP2_REFERENCE = [*FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 10]
-T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31  # 31: DistributedSampler repeats one example
-T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH, "--num-train-samples", 128,
-           "--num-val-samples", T5_VAL_SAMPLES, "--lr", 0.01]
-T5_REFERENCE = ["--checkpoint-type", "sharded"]  # 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
+# 31: DistributedSampler repeats one example
+T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31
+T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH,
+           "--num-train-samples", 128, "--num-val-samples", T5_VAL_SAMPLES, "--lr", 0.01]
+# 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
+T5_REFERENCE = ["--checkpoint-type", "sharded"]
 
 
 def pytest_configure(config):
@@ -43,10 +49,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def offline_hf(tmp_path_factory):
-    """No hub access, and this session's own datasets cache (in this process and in every script run)."""
+    """No hub access, and this session's own datasets cache (here and in every script run)."""
     cache = tmp_path_factory.mktemp("hf_datasets_cache")
     with pytest.MonkeyPatch.context() as patch:
-        for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("HF_DATASETS_CACHE", str(cache))):
+        for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                            ("HF_DATASETS_CACHE", str(cache))):
             patch.setenv(name, value)
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         yield
@@ -60,7 +67,8 @@ def mnist_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def wikihow_dir(tmp_path_factory):
-    """A --data-dir with a WikiHow-format wikihowAll.csv and the official split lists (tests/tiny_wikihow.py)."""
+    """A --data-dir with a WikiHow-format wikihowAll.csv and the official split lists
+    (tests/tiny_wikihow.py)."""
     return write_wikihow(tmp_path_factory.mktemp("wikihow_data"))
 
 
@@ -84,21 +92,29 @@ class Run:
 
     @property
     def worker_stderr(self):
-        """stderr of the workers, without the report torchrun adds (with its own traceback) on failure."""
+        """Workers' stderr, without the report torchrun adds (with its own traceback) on failure."""
         return self.stderr.split(TORCHRUN_REPORT)[0]
 
 
+def warning_lines(output):
+    """The lines of a run's output that speak of a Python warning (default commands print none)."""
+    return [line for line in output.splitlines() if "Warning" in line]
+
+
 def single_error_line(run):
-    """The `error:` line of a failed run, asserting that it is the only line of the workers that speaks of an
-    error (rank 0's, no library log repeating it) and that there is no worker traceback."""
+    """The `error:` line of a failed run, asserting that it is the only line of the workers that
+    speaks of an error (rank 0's, no library log repeating it) and that there is no worker
+    traceback."""
+    # torchrun's own log lines (torch/distributed/elastic) do not count
     lines = [line for line in run.worker_stderr.splitlines()
-             if "error" in line.lower() and "torch/distributed/elastic" not in line]  # torchrun's own log lines
-    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in run.worker_stderr, run.worker_stderr
+             if "error" in line.lower() and "torch/distributed/elastic" not in line]
+    assert (len(lines) == 1 and "error:" in lines[0]
+            and "Traceback" not in run.worker_stderr), run.worker_stderr
     return lines[0]
 
 
 def run_command(command, cwd, timeout, env=None):
-    """Run a command in cwd with a timeout; return a Run with the metrics JSON if one was written."""
+    """Run a command in cwd with a timeout; return a Run, with its metrics JSON if written."""
     metrics_path = Path(cwd) / "metrics.json"
     command = [str(c) for c in command]
     if "--metrics-json" not in command:
@@ -111,8 +127,8 @@ def run_command(command, cwd, timeout, env=None):
 
 
 def torchrun_command(script, args, nproc, max_restarts=0):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
-            "--max-restarts", max_restarts, REPO / script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", nproc, "--max-restarts", max_restarts, REPO / script, *args]
 
 
 @pytest.fixture
@@ -158,13 +174,15 @@ def fsdp2_reference(cached_torchrun):
 
 @pytest.fixture(scope="session")
 def t5_reference(cached_torchrun, tiny_t5_dir, wikihow_dir):
-    """t5_fsdp_finetune.py's reference run: 3 epochs with sharded checkpoints, which several test files read."""
-    result = cached_torchrun("t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE))
+    """t5_fsdp_finetune.py's reference run: 3 epochs with sharded checkpoints, which several test
+    files read."""
+    result = cached_torchrun("t5_fsdp_finetune.py",
+                             *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE))
     assert result.returncode == 0, result.output
     return result
 
 
 def copy_fsdp2_checkpoint(reference, step, dest):
-    """A --checkpoint-dir at dest holding the checkpoint of `step` of an fsdp2_transformer.py run."""
+    """A --checkpoint-dir at dest holding `step`'s checkpoint of an fsdp2_transformer.py run."""
     shutil.copytree(reference.cwd / "ckpt" / f"step_{step:06d}", dest / f"step_{step:06d}")
     return dest

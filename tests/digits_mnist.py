@@ -20,7 +20,7 @@ TRAIN_SIZE, TEST_SIZE = 1500, 295
 
 
 def write_idx(path, array):
-    """Write a uint8 array in the IDX format of the MNIST files (big-endian header, then the bytes)."""
+    """Write a uint8 array in the MNIST files' IDX format (big-endian header, then the bytes)."""
     magic = bytes([0, 0, 0x08, array.ndim])  # 0x08: unsigned byte
     dims = b"".join(int(d).to_bytes(4, "big") for d in array.shape)
     path.write_bytes(magic + dims + array.astype(np.uint8).tobytes())

@@ -1,8 +1,8 @@
 """Bad input, all four scripts, in one table.
 
-Every case runs the real script under torchrun on 2 ranks and must fail within 60 s: a non-zero exit, exactly one
-`error:` line (from rank 0) that names the problem, no traceback, and nothing written: the run's
-folder is the same before and after.
+Every case runs the real script under torchrun on 2 ranks and must fail within 60 s: a non-zero
+exit, exactly one `error:` line (from rank 0) that names the problem, no traceback, and nothing
+written: the run's folder is the same before and after.
 """
 import shutil
 import time
@@ -21,7 +21,8 @@ from conftest import (
 )
 from tiny_wikihow import write_csv_without_headline
 
-BASE_ARGS = {  # a run that would succeed; each case appends what makes it fail (argparse: the last value wins)
+# A run that would succeed; each case appends what makes it fail (argparse: the last value wins).
+BASE_ARGS = {
     "fsdp1_mnist.py": ["--data-dir", "{mnist}", "--epochs", 1, *MNIST_TINY, "--save-model"],
     "ddp_mnist.py": ["--data-dir", "{mnist}", "--epochs", 1, *MNIST_TINY, "--save-model"],
     "fsdp2_transformer.py": [*FSDP2_TINY, "--steps", 20],
@@ -32,32 +33,42 @@ CASES = [  # id, script, args, what the error line must say
     ("MNIST missing", "fsdp1_mnist.py", ["--data-dir", "{tmp}/missing"],
      ["missing/MNIST/raw", "downloading it failed", "--data-dir"]),
     ("MNIST truncated IDX", "fsdp1_mnist.py", ["--data-dir", "{truncated_idx}"],
-     ["cannot read MNIST", "truncated_idx/MNIST/raw", "train-images-idx3-ubyte has 1000 bytes", "truncated?"]),
+     ["cannot read MNIST", "truncated_idx/MNIST/raw", "train-images-idx3-ubyte has 1000 bytes",
+      "truncated?"]),
     ("MNIST malformed IDX header", "ddp_mnist.py", ["--data-dir", "{bad_idx_header}"],
-     ["cannot read MNIST", "bad_idx_header/MNIST/raw", "t10k-labels-idx1-ubyte does not start with an IDX header"]),
-    ("MNIST CPU offload without GPU", "fsdp1_mnist.py", ["--no-cuda", "--cpu-offload"], ["--cpu-offload", "GPU"]),
-    ("MNIST batch size 0", "ddp_mnist.py", ["--batch-size", 0], ["--batch-size", "positive integer, got 0"]),
+     ["cannot read MNIST", "bad_idx_header/MNIST/raw",
+      "t10k-labels-idx1-ubyte does not start with an IDX header"]),
+    ("MNIST CPU offload without GPU", "fsdp1_mnist.py", ["--no-cuda", "--cpu-offload"],
+     ["--cpu-offload", "GPU"]),
+    ("MNIST batch size 0", "ddp_mnist.py", ["--batch-size", 0],
+     ["--batch-size", "positive integer, got 0"]),
     ("MNIST unwritable metrics", "ddp_mnist.py", ["--metrics-json", "{a_file}/metrics.json"],
      ["--metrics-json", "a_file is a file"]),
-    ("FSDP2 CPU offload without GPU", "fsdp2_transformer.py", ["--cpu-offload"], ["--cpu-offload", "needs a CUDA GPU"]),
+    ("FSDP2 CPU offload without GPU", "fsdp2_transformer.py", ["--cpu-offload"],
+     ["--cpu-offload", "needs a CUDA GPU"]),
     ("FSDP2 dim vs heads", "fsdp2_transformer.py", ["--dim", 30, "--n-heads", 4],
      ["--dim 30 is not divisible by --n-heads 4"]),
-    ("FSDP2 no steps", "fsdp2_transformer.py", ["--steps", 0], ["--steps", "must be a positive integer, got 0"]),
+    ("FSDP2 no steps", "fsdp2_transformer.py", ["--steps", 0],
+     ["--steps", "must be a positive integer, got 0"]),
     ("FSDP2 batch vs ranks", "fsdp2_transformer.py", ["--batch-size", 6, "--grad-accum-steps", 2],
      ["--batch-size 6", "use a multiple of 4"]),
-    ("FSDP2 corrupted checkpoint", "fsdp2_transformer.py", ["--checkpoint-dir", "{fsdp2_truncated}", "--dcp-api"],
+    ("FSDP2 corrupted checkpoint", "fsdp2_transformer.py",
+     ["--checkpoint-dir", "{fsdp2_truncated}", "--dcp-api"],
      ["cannot read checkpoint file", "step_000010/optimizer.pt", "--no-resume"]),
     ("FSDP2 checkpoint of another model size", "fsdp2_transformer.py",
-     ["--checkpoint-dir", "{fsdp2_checkpoint}", "--dim", 64], ["another model", "--dim 32", "--dim 64"]),
+     ["--checkpoint-dir", "{fsdp2_checkpoint}", "--dim", 64],
+     ["another model", "--dim 32", "--dim 64"]),
     ("FSDP2 unwritable checkpoint dir", "fsdp2_transformer.py", ["--checkpoint-dir", "{a_file}"],
      ["--checkpoint-dir", "a_file is a file"]),
-    ("FSDP2 no timeout", "fsdp2_transformer.py", ["--dist-timeout", 0], ["--dist-timeout", "positive number, got 0"]),
+    ("FSDP2 no timeout", "fsdp2_transformer.py", ["--dist-timeout", 0],
+     ["--dist-timeout", "positive number, got 0"]),
     ("T5 missing CSV", "t5_fsdp_finetune.py", ["--data-dir", "{empty}"],
      ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
     ("T5 missing columns", "t5_fsdp_finetune.py", ["--data-dir", "{no_headline}"],
      ["no_headline/wikihowAll.csv", "lacks the column(s) headline"]),
     ("T5 truncated CSV", "t5_fsdp_finetune.py", ["--data-dir", "{truncated_csv}"],
-     ["cannot parse", "truncated_csv/wikihowAll.csv as CSV", "EOF inside string", "download it again"]),
+     ["cannot parse", "truncated_csv/wikihowAll.csv as CSV", "EOF inside string",
+      "download it again"]),
     ("T5 missing model", "t5_fsdp_finetune.py", ["--model-name", "{tmp}/no_model"],
      ["--model-name", "no_model: no such directory"]),
     ("T5 directory without a model", "t5_fsdp_finetune.py", ["--model-name", "{empty}"],
@@ -97,7 +108,7 @@ def copy_wikihow(wikihow_dir, dest, edit):
 
 
 def cut_inside_a_quoted_field(csv_bytes):
-    """The file as a download cut short leaves it: ending inside a quoted field, half way through."""
+    """The file as a download cut short leaves it: ending half way through a quoted field."""
     opening_quote = csv_bytes.index(b',"', len(csv_bytes) // 2) + 1
     return csv_bytes[:opening_quote + 5]
 
@@ -116,18 +127,23 @@ def truncated_optimizer_file(fsdp2_reference, dest):
     return folder
 
 
-# How each {placeholder} is made in the test's folder, from the fixtures it names (loaded only when used).
+# How each {placeholder} is made in the test's folder, from the fixtures it names (loaded only
+# when used).
 INPUTS = {
     "tmp": lambda tmp, f: tmp,
     "empty": lambda tmp, f: make_dir(tmp / "empty"),
     "a_file": lambda tmp, f: make_file(tmp / "a_file"),
     "mnist": lambda tmp, f: f("mnist_dir"),
-    "truncated_idx": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "truncated_idx", "train-images-idx3-ubyte",
+    "truncated_idx": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "truncated_idx",
+                                               "train-images-idx3-ubyte",
                                                lambda data: data[:1000]),
-    "bad_idx_header": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "bad_idx_header", "t10k-labels-idx1-ubyte",
+    "bad_idx_header": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "bad_idx_header",
+                                                "t10k-labels-idx1-ubyte",
                                                 lambda data: b"\x00\x00\x00\x00" + data[4:]),
-    "fsdp2_truncated": lambda tmp, f: truncated_optimizer_file(f("fsdp2_reference"), tmp / "fsdp2_truncated"),
-    "fsdp2_checkpoint": lambda tmp, f: copy_fsdp2_checkpoint(f("fsdp2_reference"), 10, tmp / "fsdp2_checkpoint"),
+    "fsdp2_truncated": lambda tmp, f: truncated_optimizer_file(f("fsdp2_reference"),
+                                                               tmp / "fsdp2_truncated"),
+    "fsdp2_checkpoint": lambda tmp, f: copy_fsdp2_checkpoint(f("fsdp2_reference"), 10,
+                                                             tmp / "fsdp2_checkpoint"),
     "t5_model": lambda tmp, f: f("tiny_t5_dir"),
     "wikihow": lambda tmp, f: f("wikihow_dir"),
     "no_headline": lambda tmp, f: write_csv_without_headline(tmp),
@@ -151,16 +167,18 @@ class Inputs(dict):
 
 def folder_state(folder):
     """Every path under folder, with size and modification time for files."""
-    return {(str(p.relative_to(folder)), None) if p.is_dir() else (str(p.relative_to(folder)), p.stat().st_size,
-                                                                   p.stat().st_mtime_ns) for p in folder.rglob("*")}
+    return {(str(p.relative_to(folder)), None) if p.is_dir()
+            else (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
 
 
 @pytest.fixture(scope="module")
 def failed_runs(tmp_path_factory, request):
     """{case id: (Run, seconds, folder before, folder after)}: every case, in a folder of its own.
 
-    The runs go four at a time: a run that fails on bad input is mostly Python and torch starting up, which
-    overlaps well with other runs, and the table would otherwise take a good part of the suite's time.
+    The runs go four at a time: a run that fails on bad input is mostly Python and torch starting
+    up, which overlaps well with other runs, and the table would otherwise take a good part of the
+    suite's time.
     """
     prepared = {}
     for name, script, args, _ in CASES:  # inputs first, in this thread: they may load fixtures
@@ -179,7 +197,8 @@ def failed_runs(tmp_path_factory, request):
         return dict(pool.map(run, prepared))
 
 
-@pytest.mark.parametrize("name, expected", [(case[0], case[3]) for case in CASES], ids=[case[0] for case in CASES])
+@pytest.mark.parametrize("name, expected", [(case[0], case[3]) for case in CASES],
+                         ids=[case[0] for case in CASES])
 def test_bad_input_fails_cleanly(failed_runs, name, expected):
     result, seconds, before, after = failed_runs[name]
     assert result.returncode != 0 and seconds < 60

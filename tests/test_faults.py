@@ -1,5 +1,5 @@
-"""Faults, caused from outside the scripts: a worker killed mid-run or mid-checkpoint under torchrun's
-elastic restart, and a hung peer under a short --dist-timeout."""
+"""Faults, caused from outside the scripts: a worker killed mid-run or mid-checkpoint under
+torchrun's elastic restart, and a hung peer under a short --dist-timeout."""
 import contextlib
 import json
 import os
@@ -10,11 +10,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import FSDP2_TINY, MNIST_TINY, T5_REFERENCE, TORCHRUN_REPORT, t5_args, torchrun_command
+from conftest import (
+    FSDP2_TINY,
+    MNIST_TINY,
+    T5_REFERENCE,
+    TORCHRUN_REPORT,
+    t5_args,
+    torchrun_command,
+)
 
 
 def launch(cwd, script, *args, max_restarts=0):
-    """Start torchrun (2 processes) in the background; its output goes to cwd/stdout.txt and cwd/stderr.txt."""
+    """Start torchrun (2 processes) in the background; its output goes to cwd/stdout.txt and
+    cwd/stderr.txt."""
     command = torchrun_command(script, [*args, "--metrics-json", "metrics.json"], 2, max_restarts)
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
         return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err)
@@ -80,28 +88,32 @@ def load(folder):
     return [torch.load(folder / name, weights_only=True) for name in ("model.pt", "optimizer.pt")]
 
 
-def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tmp_path, fsdp2_reference):
-    """torchrun --max-restarts 1; rank 0 (the one that writes) is SIGKILLed while a checkpoint is half-written.
-    The restarted workers resume from the newest complete checkpoint and end with the uninterrupted run's state.
+def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tmp_path,
+                                                                              fsdp2_reference):
+    """torchrun --max-restarts 1; rank 0 (the one that writes) is SIGKILLed while a checkpoint is
+    half-written. The restarted workers resume from the newest complete checkpoint and end with the
+    uninterrupted run's state.
 
-    Checkpoints go through the DCP API here (the reference run used the DTensor API: the files must be the same).
-    A step_000015 folder is there from the start, as a save cut short by an older version would leave it: no
-    COMPLETE marker, a truncated model.pt. Resume must pass over it.
+    Checkpoints go through the DCP API here (the reference run used the DTensor API: the files must
+    be the same). A step_000015 folder is there from the start, as a save cut short by an older
+    version would leave it: no COMPLETE marker, a truncated model.pt. Resume must pass over it.
     """
     checkpoints, killed = tmp_path / "ckpt", None
     (checkpoints / "step_000015").mkdir(parents=True)
     (checkpoints / "step_000015" / "model.pt").write_bytes(b"cut short")
-    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt",
-                   "--save-every", 1, "--dcp-api", max_restarts=1)
+    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20,
+                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--dcp-api", max_restarts=1)
     try:
         rank0 = running_workers(agent)[0]
         while killed is None and agent.poll() is None:
             if not list(checkpoints.glob("step_*.tmp")):
                 time.sleep(0.0005)
                 continue
-            os.kill(rank0, signal.SIGSTOP)  # freeze the writer, then look again: the rename may have happened
+            # freeze the writer, then look again: the rename may have happened
+            os.kill(rank0, signal.SIGSTOP)
             half_written = sorted(checkpoints.glob("step_*.tmp"))
-            complete = sorted(p for p in checkpoints.glob("step_*[0-9]") if (p / "COMPLETE").exists())
+            complete = sorted(p for p in checkpoints.glob("step_*[0-9]")
+                              if (p / "COMPLETE").exists())
             if half_written and complete:
                 killed = (half_written[0], complete[-1])
                 os.kill(rank0, signal.SIGKILL)
@@ -115,30 +127,40 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     assert agent.returncode == 0, stderr
     step = int(previous.name[5:])
     assert half_written.name == f"step_{step + 1:06d}.tmp"
-    assert f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} (no COMPLETE marker)" in stdout
+    assert (f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} "
+            "(no COMPLETE marker)") in stdout
     assert stdout.count("No checkpoint in ckpt: starting from step 0") == 1  # the first attempt
     assert f"Resumed from {previous} at step {step}" in stdout  # the restarted one
-    metrics = json.loads((tmp_path / "metrics.json").read_text())  # written by the restarted attempt
-    assert metrics["first_step"] == step + 1 and metrics["losses"] == fsdp2_reference.metrics["losses"][step:]
+    # written by the restarted attempt
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (metrics["first_step"] == step + 1
+            and metrics["losses"] == fsdp2_reference.metrics["losses"][step:])
     assert not list(checkpoints.glob("*.tmp"))
-    final, expected = load(checkpoints / "step_000020"), load(fsdp2_reference.cwd / "ckpt" / "step_000020")
-    assert final[0].keys() == expected[0].keys() and all(torch.equal(final[0][k], expected[0][k]) for k in final[0])
+    final, expected = (load(checkpoints / "step_000020"),
+                       load(fsdp2_reference.cwd / "ckpt" / "step_000020"))
+    assert final[0].keys() == expected[0].keys() and all(torch.equal(final[0][k], expected[0][k])
+                                                         for k in final[0])
     for name, state in expected[1]["state"].items():
         assert all(torch.equal(final[1]["state"][name][k], v) for k, v in state.items()), name
 
 
-def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference, tiny_t5_dir,
-                                                                     wikihow_dir):
-    """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed once epoch 1's sharded checkpoint is
-    complete; the restarted run goes on from it and saves the uninterrupted run's epoch-2 model."""
-    agent = launch(tmp_path, "t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_REFERENCE),
+def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference,
+                                                                     tiny_t5_dir, wikihow_dir):
+    """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed once epoch 1's sharded
+    checkpoint is complete; the restarted run goes on from it and saves the uninterrupted run's
+    epoch-2 model."""
+    agent = launch(tmp_path, "t5_fsdp_finetune.py",
+                   *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_REFERENCE),
                    "--resume", "auto", max_restarts=1)
     try:
         ranks = running_workers(agent)
-        wait_for(lambda: (tmp_path / "checkpoint-epoch-1" / "trainer_state.json").exists(), 120, "epoch 1")
-        for pid in ranks.values():  # freeze both, so that the newest complete checkpoint cannot change
+        wait_for(lambda: (tmp_path / "checkpoint-epoch-1" / "trainer_state.json").exists(), 120,
+                 "epoch 1")
+        # freeze both, so that the newest complete checkpoint cannot change
+        for pid in ranks.values():
             os.kill(pid, signal.SIGSTOP)
-        epochs = [int(p.name.rsplit("-", 1)[1]) for p in tmp_path.glob("checkpoint-epoch-*[0-9]")
+        epochs = [int(p.name.rsplit("-", 1)[1])
+                  for p in tmp_path.glob("checkpoint-epoch-*[0-9]")
                   if (p / "trainer_state.json").exists()]
         os.kill(ranks[1], signal.SIGKILL)
         os.kill(ranks[0], signal.SIGCONT)  # torchrun stops it
@@ -147,44 +169,53 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
         stop(agent)
     assert agent.returncode == 0, stderr
     assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
-    assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout  # --save-dir .
+    # "./": --save-dir defaults to .
+    assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["val_losses"] == t5_reference.metrics["val_losses"][:2]
     final = torch.load(metrics["checkpoint_pt"], weights_only=True)  # the best model: epoch 2's
     expected = torch.load(next(t5_reference.cwd.glob("T5-model-*-2-*.pt")), weights_only=True)
-    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k])
+                                                   for k in final)
 
 
 def hang_rank_1(cwd, script, args, started):
-    """Run script with --dist-timeout HUNG_PEER_TIMEOUT and SIGSTOP its rank 1 once rank 0 has printed `started`.
-    Returns (seconds until rank 0 exited, torchrun's exit status, stderr)."""
+    """Run script with --dist-timeout HUNG_PEER_TIMEOUT and SIGSTOP its rank 1 once rank 0 has
+    printed `started`. Returns (seconds until rank 0 exited, torchrun's exit status, stderr)."""
     agent = launch(cwd, script, *args, "--dist-timeout", HUNG_PEER_TIMEOUT)
     try:
         ranks = running_workers(agent)
-        wait_for(lambda: started in (cwd / "stdout.txt").read_text(), 120, f"{script} to start training")
+        wait_for(lambda: started in (cwd / "stdout.txt").read_text(), 120,
+                 f"{script} to start training")
         os.kill(ranks[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: exited(ranks[0]), HUNG_PEER_TIMEOUT + 30, f"rank 0 of {script} to give up")
+        wait_for(lambda: exited(ranks[0]), HUNG_PEER_TIMEOUT + 30,
+                 f"rank 0 of {script} to give up")
         waited = time.monotonic() - stopped
-        os.kill(ranks[1], signal.SIGKILL)  # torchrun would only kill a stopped process after its 30 s grace
+        # torchrun would only kill a stopped process after its 30 s grace
+        os.kill(ranks[1], signal.SIGKILL)
         _, stderr = finish(agent, cwd, timeout=60)
     finally:
         stop(agent)
     return waited, agent.returncode, stderr
 
 
-# It must also cover T5's rank 1 waiting while rank 0 loads the model and data first, with 4 jobs starting at once.
+# It must also cover T5's rank 1 waiting while rank 0 loads the model and data first, with 4 jobs
+# starting at once.
 HUNG_PEER_TIMEOUT = 10
-HUNG_PEER_SCRIPTS = ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py"]
+HUNG_PEER_SCRIPTS = ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py",
+                     "t5_fsdp_finetune.py"]
 
 
 @pytest.fixture(scope="module")
 def hung_peer_runs(tmp_path_factory, mnist_dir, tiny_t5_dir, wikihow_dir):
-    """{script: hang_rank_1(...)} for the four scripts, run at the same time: each mostly waits for its timeout."""
+    """{script: hang_rank_1(...)} for the four scripts, run at the same time: each mostly waits for
+    its timeout."""
     mnist = ["--data-dir", mnist_dir, "--epochs", 50, *MNIST_TINY]
-    jobs = {"fsdp1_mnist.py": (mnist, "Net("), "ddp_mnist.py": (mnist, "Train Epoch: 1"),  # FSDP1 prints its model
+    jobs = {"fsdp1_mnist.py": (mnist, "FSDP built"), "ddp_mnist.py": (mnist, "Train Epoch: 1"),
             "fsdp2_transformer.py": (["--steps", 1_000_000], "step 1 |"),
-            "t5_fsdp_finetune.py": ([*t5_args(tiny_t5_dir, wikihow_dir, 50), "--no-save-model"], "FSDP: ")}
+            "t5_fsdp_finetune.py": ([*t5_args(tiny_t5_dir, wikihow_dir, 50), "--no-save-model"],
+                                    "FSDP built")}
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         futures = {script: pool.submit(hang_rank_1, tmp_path_factory.mktemp("hung"), script, *job)
                    for script, job in jobs.items()}
@@ -193,8 +224,8 @@ def hung_peer_runs(tmp_path_factory, mnist_dir, tiny_t5_dir, wikihow_dir):
 
 @pytest.mark.parametrize("script", HUNG_PEER_SCRIPTS)
 def test_a_hung_peer_ends_the_job_within_the_timeout(hung_peer_runs, script):
-    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout and the
-    job fails with one line saying so, instead of waiting for ever."""
+    """Rank 1 is SIGSTOPped mid-training: rank 0's next collective gives up after --dist-timeout
+    and the job fails with one line saying so, instead of waiting for ever."""
     waited, returncode, stderr = hung_peer_runs[script]
     assert returncode != 0
     assert HUNG_PEER_TIMEOUT - 1 <= waited < HUNG_PEER_TIMEOUT + 10, waited

@@ -1,6 +1,8 @@
-"""fsdp2_transformer.py, run for real on CPU (gloo): learning, parity, initialization, resume, memory, errors."""
+"""fsdp2_transformer.py, run for real on CPU (gloo): learning, parity, initialization, resume,
+memory, errors."""
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -8,13 +10,13 @@ import time
 import pytest
 import torch
 from conftest import FSDP2_TINY as TINY
-from conftest import REPO, copy_fsdp2_checkpoint
+from conftest import REPO, copy_fsdp2_checkpoint, run_command, warning_lines
 
 sys.path.insert(0, str(REPO))
 from fsdp2_transformer import Transformer, global_batch, task_rules  # noqa: E402
 
 SCRIPT = "fsdp2_transformer.py"
-CONFIG = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}  # the sizes TINY sets
+CONFIG = {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4, "seq_len": 16}  # TINY's sizes
 
 
 @pytest.fixture
@@ -30,18 +32,31 @@ def fsdp2_run(cached_torchrun):
 
 
 def load_files(folder):
-    return (torch.load(folder / "model.pt", weights_only=True), torch.load(folder / "optimizer.pt", weights_only=True))
+    return (torch.load(folder / "model.pt", weights_only=True),
+            torch.load(folder / "optimizer.pt", weights_only=True))
 
 
-def test_default_command_learns_the_task(torchrun):
-    """`torchrun --nproc_per_node 2 fsdp2_transformer.py` on CPU: under 2 minutes, loss below ln(vocab) / 2."""
+def plan(run):
+    """{FSDP unit: (reshard after forward, forward prefetch, backward prefetch)}, as the script read
+    them from the sharded model and printed them."""
+    units = re.findall(r"FSDP unit (\S+): [\d,]+ parameters, reshard after forward (\w+), explicit "
+                       r"prefetch: forward (\[.*?\]), backward (\[.*?\])", run.stdout)
+    return {unit: tuple(rest) for unit, *rest in units}
+
+
+def test_default_command_learns_the_task(tmp_path):
+    """`python fsdp2_transformer.py` on CPU spawns 2 processes and, in under 2 minutes and without a
+    Python warning, brings the loss below ln(vocab) / 2."""
     start = time.perf_counter()
-    result = torchrun(SCRIPT)
+    result = run_command([sys.executable, REPO / SCRIPT], tmp_path, timeout=300)
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.output
+    assert warning_lines(result.output) == []
     metrics = result.metrics
-    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
-    assert "parameters (" in result.stdout and "are float32 DTensors sharded Shard(0)" in result.stdout
+    assert (metrics["world_size"] == 2 and metrics["device"] == "cpu"
+            and metrics["backend"] == "gloo")
+    assert ("parameters (" in result.stdout
+            and "are float32 DTensors sharded Shard(0)" in result.stdout)
     assert len(metrics["losses"]) == metrics["step"] == 200
     assert metrics["train_loss"] < 0.5 * math.log(128), metrics["losses"][::10]
     assert f"step 200 | loss {metrics['train_loss']:.4f} | grad norm" in result.stdout
@@ -50,24 +65,48 @@ def test_default_command_learns_the_task(torchrun):
 
 
 @pytest.mark.parametrize("nproc, options", [
-    (1, []),
+    (1, ["--cpu"]),
     (2, ["--grad-accum-steps", 2]),
-    (2, ["--explicit-prefetching", "--no-reshard-after-forward"]),
+    (2, ["--explicit-prefetching", "--prefetch-depth", 1, "--no-reshard-after-forward"]),
 ], ids=["world size 1", "grad accumulation", "explicit prefetching, no reshard after forward"])
 def test_fp32_parity_with_the_plain_run(fsdp2_run, fsdp2_reference, nproc, options):
-    """Same seed, same global batches: the same per-step losses and gradient norms as 2 ranks without options."""
-    run = fsdp2_run(*TINY, "--steps", 20, *options, nproc=nproc).metrics
+    """Same seed, same global batches: the same per-step losses and gradient norms as 2 ranks
+    without options; and no Python warning, at world size 1 either."""
+    result = fsdp2_run(*TINY, "--steps", 20, *options, nproc=nproc)
+    assert warning_lines(result.output) == []
+    run = result.metrics
     assert run["world_size"] == nproc and len(run["losses"]) == 20
     assert run["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-5)
     assert run["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"], rel=1e-5)
 
 
+def test_sharding_plan_is_read_from_the_model(fsdp2_run, fsdp2_reference):
+    """What fully_shard built, as the script prints it: the plain run reshards every block after
+    forward and sets no prefetching of its own; --no-reshard-after-forward and
+    --explicit-prefetching --prefetch-depth 1 change exactly that (the root never reshards after
+    forward)."""
+    options = ["--explicit-prefetching", "--prefetch-depth", 1, "--no-reshard-after-forward"]
+    none = "[]"
+    assert plan(fsdp2_reference) == {"root": ("False", none, none),
+                                     "layers.0": ("True", none, none),
+                                     "layers.1": ("True", none, none),
+                                     "layers.2": ("True", none, none)}
+    assert plan(fsdp2_run(*TINY, "--steps", 20, *options)) == {
+        "root": ("False", none, none), "layers.0": ("False", "['layers.1']", none),
+        "layers.1": ("False", "['layers.2']", "['layers.0']"),
+        "layers.2": ("False", none, "['layers.1']")}
+
+
 def test_mixed_precision_with_every_option(fsdp2_run, fsdp2_reference):
-    run = fsdp2_run(*TINY, "--steps", 20, "--mixed-precision", "--explicit-prefetching", "--grad-accum-steps", 2,
-                    "--no-reshard-after-forward")
+    run = fsdp2_run(*TINY, "--steps", 20, "--mixed-precision", "--explicit-prefetching",
+                    "--grad-accum-steps", 2, "--no-reshard-after-forward")
     assert "Unsharded parameters are bfloat16" in run.stdout
+    # --prefetch-depth 2 (the default): two blocks ahead in forward, two behind in backward
+    assert plan(run)["layers.0"] == ("False", "['layers.1', 'layers.2']", "[]")
+    assert plan(run)["layers.2"] == ("False", "[]", "['layers.1', 'layers.0']")
     assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=2e-2)
-    assert run.metrics["losses"] != pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-6)  # really bf16
+    # really bf16
+    assert run.metrics["losses"] != pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-6)
 
 
 def test_sharding_halves_training_state(fsdp2_run, fsdp2_reference):
@@ -77,8 +116,10 @@ def test_sharding_halves_training_state(fsdp2_run, fsdp2_reference):
 
 
 def test_meta_init_matches_eager_init():
-    """After to_empty (memory filled with NaN here), reset_parameters initializes every parameter as eager init does."""
-    config = {**CONFIG, "vocab_size": 128, "dim": 64, "seq_len": 32}  # enough values per tensor for the statistics
+    """After to_empty (memory filled with NaN here), reset_parameters initializes every parameter
+    as eager init does."""
+    # enough values per tensor for the statistics
+    config = {**CONFIG, "vocab_size": 128, "dim": 64, "seq_len": 32}
     torch.manual_seed(0)
     eager = dict(Transformer(**config).named_parameters())
     with torch.device("meta"):
@@ -116,6 +157,7 @@ def test_task_is_the_same_global_batch_whatever_the_world_size():
     assert follows_a_rule.any(dim=0).all()
 
 
+# The program is cut into adjacent literals where its lines are long: its text stays the same.
 COUNT_REDUCE_SCATTERS = """
 import argparse, gc, json, sys, warnings
 import torch, torch.distributed as dist
@@ -125,42 +167,49 @@ sys.path.insert(0, {repo!r})
 import fsdp2_transformer as script
 
 def reduce_scatters_in_one_step(grad_accum_steps):
-    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=2, n_heads=4, seq_len=16, mixed_precision=False,
-                              cpu_offload=False, no_reshard_after_forward=False, explicit_prefetching=False,
+    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16,
+                              mixed_precision=False, cpu_offload=False,
+                              no_reshard_after_forward=False, explicit_prefetching=False,
                               grad_accum_steps=grad_accum_steps, max_norm=1.0)
-    model = script.build_model(args, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    model = script.shard_model(args, torch.device("cpu"), init_device_mesh("cpu", (2,)))
     optimizer = torch.optim.AdamW(model.parameters())
-    tokens = script.global_batch(script.task_rules(64, 0), 1, 12, 16, 0)[dist.get_rank() * 6:][:6]
+    tokens = script.global_batch(script.task_rules(64, 0), 1, 12, 16, 0)
+    tokens = tokens[dist.get_rank() * 6:][:6]
     with CommDebugMode() as comm:
         script.train_step(model, optimizer, tokens, args)
-    return sum(n for op, n in comm.get_comm_counts().items() if "reduce_scatter" in str(op))
+    counts = comm.get_comm_counts().items()
+    return sum(n for op, n in counts if "reduce_scatter" in str(op))
 
 warnings.simplefilter("ignore")  # FSDP2 warns about view outputs under CommDebugMode
 dist.init_process_group("gloo")
 counts = {{k: reduce_scatters_in_one_step(k) for k in (1, 3)}}
 if dist.get_rank() == 0:
     print(json.dumps(counts))
-gc.collect()  # free the FSDP modules before the process group (see the script's main)
+gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
 dist.destroy_process_group()
 """
 
 
 def test_gradient_accumulation_reduces_once_per_step(torchrun, tmp_path):
-    """With 3 micro-batches, gradients are reduce-scattered once per FSDP unit (2 blocks + root), not 3 times."""
+    """With 3 micro-batches, gradients are reduce-scattered once per FSDP unit (3 blocks + root)."""
     program = tmp_path / "count_reduce_scatters.py"
     program.write_text(COUNT_REDUCE_SCATTERS.format(repo=str(REPO)))
     result = torchrun(program)
     assert result.returncode == 0, result.output
-    assert json.loads(result.stdout.splitlines()[-1]) == {"1": 3, "3": 3}
+    assert json.loads(result.stdout.splitlines()[-1]) == {"1": 4, "3": 4}
 
 
-def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path, fsdp2_reference):
-    """Written by 2 ranks with the DTensor API, resumed by 1 rank with the DCP API: the same trajectory."""
+def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path,
+                                                                      fsdp2_reference):
+    """Written by 2 ranks with the DTensor API, resumed by 1 rank with the DCP API: the same
+    trajectory."""
     copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
-    resumed = torchrun(SCRIPT, *TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--dcp-api", nproc=1)
+    resumed = torchrun(SCRIPT, *TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--dcp-api",
+                       nproc=1)
     assert resumed.returncode == 0, resumed.output
     assert resumed.metrics["first_step"] == 11
-    assert resumed.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:], rel=1e-5)
+    assert resumed.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:],
+                                                      rel=1e-5)
     model, _ = load_files(tmp_path / "ckpt" / "step_000020")
     expected, _ = load_files(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert all(torch.allclose(model[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)
@@ -177,15 +226,17 @@ def test_checkpoint_layout_and_plain_model(fsdp2_reference):
     model.load_state_dict(torch.load(folder / "step_000020" / "model.pt", weights_only=True))
     tokens = global_batch(task_rules(64, 0), 21, 8, 16, 0)
     with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1),
+                                                 tokens[:, 1:].flatten())
     assert loss.item() == pytest.approx(fsdp2_reference.metrics["train_loss"], rel=0.1)
 
 
 def test_lr_sets_the_step_size_and_no_resume_starts_over(torchrun, tmp_path, fsdp2_reference):
-    """--no-resume trains from step 1 although --checkpoint-dir holds step 10. Step 1's loss comes before any
-    update, so it is the reference's; every later one depends on --lr."""
+    """--no-resume trains from step 1 although --checkpoint-dir holds step 10. Step 1's loss comes
+    before any update, so it is the reference's; every later one depends on --lr."""
     copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
-    result = torchrun(SCRIPT, *TINY, "--steps", 3, "--lr", 1e-4, "--checkpoint-dir", "ckpt", "--no-resume")
+    result = torchrun(SCRIPT, *TINY, "--steps", 3, "--lr", 1e-4, "--checkpoint-dir", "ckpt",
+                      "--no-resume")
     assert result.returncode == 0, result.output
     losses = result.metrics["losses"]
     assert result.metrics["first_step"] == 1 and losses[0] == fsdp2_reference.metrics["losses"][0]
@@ -194,16 +245,19 @@ def test_lr_sets_the_step_size_and_no_resume_starts_over(torchrun, tmp_path, fsd
 
 def test_log_every_sets_the_printed_steps(fsdp2_reference):
     """--log-every 5 over 20 steps: the first step, then every fifth (the last included)."""
-    printed = [int(line.split()[1]) for line in fsdp2_reference.stdout.splitlines() if line.startswith("step ")]
+    printed = [int(line.split()[1]) for line in fsdp2_reference.stdout.splitlines()
+               if line.startswith("step ")]
     assert printed == [1, 5, 10, 15, 20]
 
 
 def test_help_explains_every_flag():
-    flags = ["--vocab-size", "--dim", "--n-layers", "--n-heads", "--seq-len", "--batch-size", "--steps", "--lr",
-             "--seed", "--cpu", "--explicit-prefetching", "--prefetch-depth", "--mixed-precision", "--max-norm",
-             "--no-reshard-after-forward", "--cpu-offload", "--grad-accum-steps", "--dcp-api", "--checkpoint-dir",
-             "--save-every", "--no-resume", "--log-every", "--dist-timeout", "--metrics-json"]
-    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    flags = ["--vocab-size", "--dim", "--n-layers", "--n-heads", "--seq-len", "--batch-size",
+             "--steps", "--lr", "--seed", "--cpu", "--explicit-prefetching", "--prefetch-depth",
+             "--mixed-precision", "--max-norm", "--no-reshard-after-forward", "--cpu-offload",
+             "--grad-accum-steps", "--dcp-api", "--checkpoint-dir", "--save-every", "--no-resume",
+             "--log-every", "--world-size", "--dist-timeout", "--metrics-json"]
+    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
     assert [f for f in flags if f"{f} " not in help_text] == []

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from conftest import MNIST_TINY as TINY
-from conftest import NO_NETWORK, REPO, run_command
+from conftest import NO_NETWORK, REPO, run_command, warning_lines
 from digits_mnist import TEST_SIZE as MNIST_TEST
 
 SCRIPTS = ["ddp_mnist.py", "fsdp1_mnist.py"]
@@ -16,7 +16,8 @@ def mnist_run(cached_torchrun, mnist_dir):
     """The reference run: 3 epochs on 2 ranks, saving the model. Cached: several tests read it."""
 
     def run(script, *args, nproc=2, epochs=3):
-        result = cached_torchrun(script, "--data-dir", mnist_dir, "--epochs", epochs, *TINY, *args, nproc=nproc)
+        result = cached_torchrun(script, "--data-dir", mnist_dir, "--epochs", epochs, *TINY, *args,
+                                 nproc=nproc)
         assert result.returncode == 0, result.output
         return result
 
@@ -29,46 +30,76 @@ def accuracy_lines(output):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_learns_digits_under_torchrun(mnist_run, script):
-    metrics = mnist_run(script, "--save-model").metrics
+    run = mnist_run(script, "--save-model")
+    assert warning_lines(run.output) == []
+    metrics = run.metrics
     assert metrics["accuracy"] >= 0.90
-    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
+    assert (metrics["world_size"] == 2 and metrics["device"] == "cpu"
+            and metrics["backend"] == "gloo")
     assert metrics["train_losses"][-1] < metrics["train_losses"][0]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_spawn_mode_repeats_the_torchrun_run(mnist_run, mnist_dir, tmp_path, script):
-    """`python script.py` spawns the processes itself (on a free port): its first epoch is the torchrun run's,
-    to the last digit. (Same seed, same command: the same losses, whichever launcher.)"""
-    spawned = run_command([sys.executable, REPO / script, "--data-dir", mnist_dir, "--epochs", 1, *TINY,
-                           "--world-size", 2], tmp_path, timeout=300)
+    """`python script.py --cpu` spawns 2 CPU processes itself (on a free port): its first epoch is
+    the torchrun run's, to the last digit. (Same seed, same command: the same losses, whichever
+    launcher.)"""
+    spawned = run_command([sys.executable, REPO / script, "--data-dir", mnist_dir, "--epochs", 1,
+                           *TINY, "--cpu"], tmp_path, timeout=300)
     assert spawned.returncode == 0, spawned.output
     reference = mnist_run(script, "--save-model")
     assert spawned.metrics["world_size"] == 2
     assert spawned.metrics["train_losses"] == reference.metrics["train_losses"][:1]
-    assert re.findall(r"Test set: .*", spawned.stdout) == re.findall(r"Test set: .*", reference.stdout)[:1]
+    assert (re.findall(r"Test set: .*", spawned.stdout)
+            == re.findall(r"Test set: .*", reference.stdout)[:1])
 
 
-@pytest.mark.parametrize("options", [
-    [],
-    ["--auto-wrap-min-params", "20000", "--use-orig-params"],
-    ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST"],
-    ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"],
-], ids=lambda options: " ".join(options) or "FULL_SHARD")
+# What FSDP built, read from the wrapped model: the first line, then one per unit (name,
+# parameters, those on rank 0). The whole Net has 1,199,882 parameters; fc1 has 1,179,776
+# (>= 20000: its own unit).
+WHOLE_NET = ["  root (Net): 1,199,882 parameters, 599,941 on rank 0"]
+BUILT = {
+    "FULL_SHARD": (["FULL_SHARD, backward prefetch BACKWARD_PRE, "
+                    "CPU offload False, use_orig_params False",
+                    "1 unit(s)"], WHOLE_NET),
+    "--auto-wrap-min-params 20000 --use-orig-params": (
+        ["FULL_SHARD, backward prefetch BACKWARD_PRE, CPU offload False, use_orig_params True",
+         "2 unit(s)"],
+        ["  root (Net): 20,106 parameters, 10,053 on rank 0",
+         "  fc1 (Linear): 1,179,776 parameters, 589,888 on rank 0"]),
+    "--sharding-strategy SHARD_GRAD_OP --backward-prefetch BACKWARD_POST": (
+        ["SHARD_GRAD_OP, backward prefetch BACKWARD_POST", "1 unit(s)"], WHOLE_NET),
+    "--sharding-strategy HYBRID_SHARD --backward-prefetch NONE": (
+        ["HYBRID_SHARD, backward prefetch NONE", "1 unit(s)"], WHOLE_NET),
+}
+
+
+@pytest.mark.parametrize("options", list(BUILT))
 def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
-    """Same seed, same data order: every FSDP1 configuration reproduces DDP's per-epoch train losses."""
+    """Same seed, same data order: every FSDP1 configuration reproduces DDP's per-epoch train
+    losses, and prints what FSDP built from it (units, strategy, prefetch), read from the wrapped
+    model."""
     ddp = mnist_run("ddp_mnist.py", "--save-model").metrics["train_losses"]
-    if options:
-        fsdp = mnist_run("fsdp1_mnist.py", *options, epochs=2).metrics["train_losses"]
+    if options != "FULL_SHARD":
+        run = mnist_run("fsdp1_mnist.py", *options.split(), epochs=2)
     else:
-        fsdp = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"]
+        run = mnist_run("fsdp1_mnist.py", "--save-model")
+    fsdp = run.metrics["train_losses"]
     assert len(fsdp) >= 2
     assert fsdp == pytest.approx(ddp[: len(fsdp)], rel=1e-4)
+    built = run.stdout.split("FSDP built ", 1)[1].splitlines()
+    header, units = BUILT[options]
+    assert all(part in built[0] for part in header), built[0]
+    assert built[1:1 + len(units)] == units and not built[1 + len(units)].startswith("  "), built
 
 
-@pytest.mark.parametrize("script, nproc", [("ddp_mnist.py", 2), ("fsdp1_mnist.py", 2), ("fsdp1_mnist.py", 3)])
+@pytest.mark.parametrize("script, nproc",
+                         [("ddp_mnist.py", 2), ("fsdp1_mnist.py", 2), ("fsdp1_mnist.py", 3)])
 def test_test_set_counted_once(mnist_run, script, nproc):
-    """DistributedSampler pads 295 test samples to 296 (2 ranks) or 297 (3 ranks); the padding is not counted."""
-    result = mnist_run(script, "--save-model") if nproc == 2 else mnist_run(script, nproc=3, epochs=1)
+    """DistributedSampler pads 295 test samples to 296 (2 ranks) or 297 (3 ranks); the padding is
+    not counted."""
+    result = (mnist_run(script, "--save-model") if nproc == 2
+              else mnist_run(script, nproc=3, epochs=1))
     counts = accuracy_lines(result.stdout)
     assert counts, result.stdout
     assert all(n == MNIST_TEST for _, n in counts), counts
@@ -93,7 +124,8 @@ images = torch.stack([image for image, _ in test_set])
 with torch.no_grad():
     print((net(images).argmax(1) == test_set.targets).sum().item())
 """
-    proc = subprocess.run([sys.executable, "-c", evaluate], cwd=run.cwd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", evaluate], cwd=run.cwd, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) / MNIST_TEST == pytest.approx(run.metrics["accuracy"], abs=1e-9)
 
@@ -105,8 +137,8 @@ def test_fsdp_full_shard_halves_training_state(mnist_run):
 
 
 def test_seed_changes_the_run(torchrun, mnist_dir, mnist_run):
-    """Another --seed, another initialization and data order. (That the same seed repeats a run exactly is
-    test_spawn_mode_repeats_the_torchrun_run.)"""
+    """Another --seed, another initialization and data order. (That the same seed repeats a run
+    exactly is test_spawn_mode_repeats_the_torchrun_run.)"""
     result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
     assert result.returncode == 0, result.output
     seed_1 = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"][0]
@@ -115,8 +147,10 @@ def test_seed_changes_the_run(torchrun, mnist_dir, mnist_run):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_lr_and_gamma_drive_the_optimizer(torchrun, mnist_dir, mnist_run, script):
-    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
-    result = torchrun(script, "--data-dir", mnist_dir, "--epochs", 2, *TINY, "--lr", 0.5, "--gamma", 0)
+    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2,
+    freezing the model."""
+    result = torchrun(script, "--data-dir", mnist_dir, "--epochs", 2, *TINY, "--lr", 0.5,
+                      "--gamma", 0)
     assert result.returncode == 0, result.output
     default_lr = mnist_run(script, "--save-model").metrics["train_losses"][0]
     assert result.metrics["train_losses"][0] != pytest.approx(default_lr, rel=1e-4)
@@ -127,24 +161,27 @@ def test_lr_and_gamma_drive_the_optimizer(torchrun, mnist_dir, mnist_run, script
 def test_dry_run_stops_after_one_batch(torchrun, mnist_dir):
     result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--dry-run")
     assert result.returncode == 0, result.output
-    assert accuracy_lines(result.stdout) == [(result.metrics["accuracy"] * 200, 200)]  # one batch of 100 per rank
+    # one batch of 100 per rank
+    assert accuracy_lines(result.stdout) == [(result.metrics["accuracy"] * 200, 200)]
 
 
 def test_spawn_mode_reports_missing_data_once(tmp_path):
-    result = run_command([sys.executable, REPO / "ddp_mnist.py", "--data-dir", tmp_path / "missing"], tmp_path,
-                         timeout=60, env=NO_NETWORK)
+    result = run_command([sys.executable, REPO / "ddp_mnist.py", "--data-dir",
+                          tmp_path / "missing"], tmp_path, timeout=60, env=NO_NETWORK)
     assert result.returncode == 1
     assert result.stderr.count("error: MNIST is not in") == 1 and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_explains_every_flag(script):
-    flags = ["--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma", "--seed", "--no-cuda", "--save-model",
-             "--data-dir", "--dry-run", "--world-size", "--dist-timeout", "--metrics-json"]
+    flags = ["--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma", "--seed", "--cpu",
+             "--no-cuda", "--save-model", "--data-dir", "--dry-run", "--world-size",
+             "--dist-timeout", "--metrics-json"]
     if script == "fsdp1_mnist.py":
-        flags += ["--auto-wrap-min-params", "--cpu-offload", "--sharding-strategy", "--backward-prefetch",
-                  "--use-orig-params"]
-    proc = subprocess.run([sys.executable, REPO / script, "--help"], capture_output=True, text=True, timeout=60)
+        flags += ["--auto-wrap-min-params", "--cpu-offload", "--sharding-strategy",
+                  "--backward-prefetch", "--use-orig-params"]
+    proc = subprocess.run([sys.executable, REPO / script, "--help"], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
     assert [f for f in flags if f not in help_text] == []
@@ -154,8 +191,8 @@ def test_help_explains_every_flag(script):
 @pytest.mark.gpu
 def test_cpu_offload_on_gpu(torchrun, mnist_dir):
     """One GPU (world size 1): CPU offload trains, and the time is measured with CUDA events."""
-    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 3, *TINY, "--cpu-offload",
-                      "--auto-wrap-min-params", "20000", nproc=1)
+    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 3, *TINY,
+                      "--cpu-offload", "--auto-wrap-min-params", "20000", nproc=1)
     assert result.returncode == 0, result.output
     assert result.metrics["device"] == "cuda" and result.metrics["backend"] == "nccl"
     assert result.metrics["accuracy"] >= 0.90

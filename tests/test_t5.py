@@ -1,4 +1,5 @@
-"""t5_fsdp_finetune.py and summarization_dataset.py on CPU (gloo): the offline WikiHow fixture and a tiny T5."""
+"""t5_fsdp_finetune.py and summarization_dataset.py on CPU (gloo): the offline WikiHow fixture and
+a tiny T5."""
 import json
 import os
 import subprocess
@@ -6,11 +7,19 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, single_error_line, t5_args
+from conftest import REPO, run_command, single_error_line, t5_args, warning_lines
 from conftest import T5_INPUT_LENGTH as INPUT_LENGTH
 from conftest import T5_OUTPUT_LENGTH as OUTPUT_LENGTH
 from conftest import T5_VAL_SAMPLES as VAL_SAMPLES
-from tiny_wikihow import DROPPED, TEST, TRAIN, VAL, split_titles, write_csv_without_headline, write_wikihow
+from tiny_wikihow import (
+    DROPPED,
+    TEST,
+    TRAIN,
+    VAL,
+    split_titles,
+    write_csv_without_headline,
+    write_wikihow,
+)
 
 sys.path.insert(0, str(REPO))
 from summarization_dataset import WikiHowError, fallback_split, read_articles, wikihow  # noqa: E402
@@ -39,8 +48,10 @@ def tokenizer(tiny_t5_dir):
 
 def test_validation_loss_falls_every_epoch(t5_reference):
     run = t5_reference
+    assert warning_lines(run.output) == []
     metrics = run.metrics
-    assert metrics["world_size"] == 2 and metrics["device"] == "cpu" and metrics["backend"] == "gloo"
+    assert (metrics["world_size"] == 2 and metrics["device"] == "cpu"
+            and metrics["backend"] == "gloo")
     assert metrics["mixed_precision"] == "fp32"  # what auto picks on CPU
     val = metrics["val_losses"]
     assert len(val) == 3 and val[0] > val[1] > val[2], val
@@ -51,6 +62,7 @@ def test_validation_loss_falls_every_epoch(t5_reference):
     assert metrics["samples_per_s"] > 0 and len(metrics["epoch_times"]) == 3
 
 
+# The program is cut into adjacent literals where its lines are long: its text stays the same.
 EVALUATE = """
 import json, sys, torch
 import torch.nn.functional as F
@@ -60,29 +72,38 @@ from summarization_dataset import wikihow
 hf_dir, pt_file, plain_dir, data_dir = sys.argv[2:6]
 tokenizer = T5Tokenizer.from_pretrained(hf_dir)
 model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
-plain = T5ForConditionalGeneration.from_pretrained(plain_dir)  # the untrained model: the .pt loads into it
+plain = T5ForConditionalGeneration.from_pretrained(plain_dir)  # untrained: the .pt loads into it
 plain.load_state_dict(torch.load(pt_file, weights_only=True))
-same = all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), model.state_dict().values()))
-val = wikihow(tokenizer, "validation", int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]), data_dir=data_dir)
+pairs = zip(plain.state_dict().values(), model.state_dict().values())
+same = all(torch.equal(p, q) for p, q in pairs)
+lengths = [int(n) for n in sys.argv[6:9]]
+val = wikihow(tokenizer, "validation", *lengths, data_dir=data_dir)
 with torch.no_grad():
-    logits = model(input_ids=val.source_ids, attention_mask=val.source_mask, labels=val.target_ids).logits
+    logits = model(input_ids=val.source_ids, attention_mask=val.source_mask,
+                   labels=val.target_ids).logits
     token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
-    val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()  # mean over examples of token means
-    generated = model.generate(val.source_ids[:2], attention_mask=val.source_mask[:2], max_new_tokens=24)
+    # the mean over examples of token means
+    val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
+    generated = model.generate(val.source_ids[:2], attention_mask=val.source_mask[:2],
+                               max_new_tokens=24)
 print(json.dumps({"val_loss": val_loss, "same": same,
                   "summaries": tokenizer.batch_decode(generated, skip_special_tokens=True)}))
 """
 
 
 def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
-    """The HF directory loads with from_pretrained, generates text, and gives the logged best validation loss."""
+    """The HF directory loads with from_pretrained, generates text, and gives the logged best
+    validation loss."""
     run = t5_reference
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
-    assert hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"]) and pt_file == hf_dir[: -len("-hf")] + ".pt"
+    assert (hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"])
+            and pt_file == hf_dir[: -len("-hf")] + ".pt")
     assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
     assert not list(run.cwd.glob("*.tmp"))
-    command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH, OUTPUT_LENGTH]
-    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True, text=True, timeout=120)
+    command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH,
+               OUTPUT_LENGTH]
+    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["same"], "the .pt and the HF directory hold different weights"
@@ -90,34 +111,50 @@ def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_
     assert result["val_loss"] == pytest.approx(run.metrics["val_loss"], abs=1e-3)
 
 
-@pytest.mark.parametrize("options", [
-    ["--sharding-strategy", "SHARD_GRAD_OP", "--backward-prefetch", "BACKWARD_POST", "--activation-checkpointing"],
-    ["--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE"],
-], ids=" ".join)
+# What FSDP built, as the script reads it from the wrapped model: the reference run's defaults, and
+# the options of each fp32 parity run. 5 units: the root and 2 encoder + 2 decoder T5Blocks.
+REFERENCE_BUILT = ("FSDP built 5 units: FULL_SHARD, backward prefetch BACKWARD_PRE, "
+                   "limit_all_gathers True, mixed precision param float32 reduce float32 "
+                   "buffer float32 (None: not cast), activation checkpointing of 0 T5Blocks")
+OPTIONS_BUILT = {
+    ("--sharding-strategy SHARD_GRAD_OP --backward-prefetch BACKWARD_POST "
+     "--activation-checkpointing"):
+        "SHARD_GRAD_OP, backward prefetch BACKWARD_POST, limit_all_gathers True, "
+        "mixed precision param float32 reduce float32 buffer float32 (None: not cast), "
+        "activation checkpointing of 4 T5Blocks",
+    "--sharding-strategy NO_SHARD --backward-prefetch NONE --no-limit-all-gathers":
+        "NO_SHARD, backward prefetch NONE, limit_all_gathers False, mixed precision param float32 "
+        "reduce float32 buffer float32 (None: not cast), activation checkpointing of 0 T5Blocks",
+}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS_BUILT))
 def test_fp32_options_give_the_same_losses(t5_reference, t5_run, options):
-    """Same seed and data: sharding, prefetch and activation checkpointing do not change the epoch losses."""
+    """Same seed and data: sharding, prefetch, all-gather limits and activation checkpointing do not
+    change the epoch losses; what FSDP built from them is read from the model and printed."""
     reference = t5_reference
-    run = t5_run(*options, "--mixed-precision", "fp32", "--no-save-model")
-    checkpointed = 4 if "--activation-checkpointing" in options else 0  # 2 encoder + 2 decoder blocks
-    assert f"activation checkpointing of {checkpointed} T5Blocks" in run.stdout
-    assert "activation checkpointing of 0 T5Blocks" in reference.stdout
+    run = t5_run(*options.split(), "--mixed-precision", "fp32", "--no-save-model")
+    assert REFERENCE_BUILT in reference.stdout.splitlines()
+    assert f"FSDP built 5 units: {OPTIONS_BUILT[options]}" in run.stdout.splitlines()
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(reference.metrics[key][:2], rel=1e-4)
 
 
 def test_full_shard_halves_training_state(t5_reference, t5_run):
     full = t5_reference.metrics["train_state_bytes"]
-    replicated = t5_run("--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE", "--mixed-precision", "fp32",
+    replicated = t5_run("--sharding-strategy", "NO_SHARD", "--backward-prefetch", "NONE",
+                        "--no-limit-all-gathers", "--mixed-precision", "fp32",
                         "--no-save-model").metrics["train_state_bytes"]
     assert full <= 0.55 * replicated, (full, replicated)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "grad-bf16", "fp16"])
-def test_reduced_precision_learns(t5_reference, cached_torchrun, wikihow_dir, tiny_t5_dir, precision):
+def test_reduced_precision_learns(t5_reference, cached_torchrun, wikihow_dir, tiny_t5_dir,
+                                  precision):
     """bf16 and grad-bf16 run on CPU; fp16 either runs or says in one line why it cannot."""
     fp32 = t5_reference.metrics["val_losses"][:2]
-    run = cached_torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
-                                             "--no-save-model"))
+    run = cached_torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision",
+                                             precision, "--no-save-model"))
     if precision == "fp16" and run.returncode != 0:
         assert "fp16" in single_error_line(run)
         return
@@ -129,46 +166,82 @@ def test_reduced_precision_learns(t5_reference, cached_torchrun, wikihow_dir, ti
 
 
 def test_lr_and_gamma_drive_the_optimizer(t5_reference, t5_run):
-    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2, freezing the model."""
+    """--lr sets the first epoch's steps; --gamma 0 makes the learning rate 0 from epoch 2,
+    freezing the model."""
     reference = t5_reference.metrics["val_losses"]
-    val = t5_run("--lr", 0.005, "--gamma", 0, "--no-save-model", "--no-track-memory").metrics["val_losses"]
+    val = t5_run("--lr", 0.005, "--gamma", 0, "--no-save-model",
+                 "--no-track-memory").metrics["val_losses"]
     assert val[0] != pytest.approx(reference[0], rel=1e-4)
     assert val[1] == val[0]
 
 
 def test_without_validation_the_last_epoch_is_saved(t5_reference, t5_run):
     run = t5_run("--no-run-validation", "--no-track-memory")
-    assert "Validation Loss" not in run.stdout and "Process memory" not in run.stdout
-    assert "Process memory" in t5_reference.stdout
+    memory = "Peak memory per rank (process RSS): "
+    # the final one only
+    assert "Validation Loss" not in run.stdout and run.stdout.count(memory) == 1
+    assert t5_reference.stdout.count(memory) == 4  # after each of the 3 epochs, and the final one
     assert run.metrics["val_losses"] == [None, None] and run.metrics["val_loss"] is None
-    assert [p.name for p in run.cwd.glob("T5-model-*.pt")] == [run.metrics["checkpoint_pt"].split("/")[-1]]
-    assert run.metrics["checkpoint"].endswith("-2-hf") and (run.cwd / run.metrics["checkpoint"]).is_dir()
+    assert ([p.name for p in run.cwd.glob("T5-model-*.pt")]
+            == [run.metrics["checkpoint_pt"].split("/")[-1]])
+    assert (run.metrics["checkpoint"].endswith("-2-hf")
+            and (run.cwd / run.metrics["checkpoint"]).is_dir())
+
+
+def test_python_spawns_two_cpu_processes(t5_reference, tiny_t5_dir, wikihow_dir, tmp_path):
+    """`python t5_fsdp_finetune.py --cpu ...` starts 2 CPU processes itself, without torchrun, and
+    its first epoch is the torchrun reference run's."""
+    command = [sys.executable, REPO / SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 1), "--cpu",
+               "--no-save-model"]
+    run = run_command(command, tmp_path, timeout=300)
+    assert run.returncode == 0, run.output
+    assert warning_lines(run.output) == []
+    assert run.metrics["world_size"] == 2 and run.metrics["device"] == "cpu"
+    assert run.metrics["val_losses"] == pytest.approx(t5_reference.metrics["val_losses"][:1],
+                                                      rel=1e-6)
+
+
+def test_one_process_uses_no_shard_without_warnings(torchrun, tiny_t5_dir, wikihow_dir):
+    """At world size 1 there is nothing to shard: the script says so and picks NO_SHARD itself, so
+    neither wrapping nor saving the model prints a warning."""
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 1), nproc=1)
+    assert run.returncode == 0, run.output
+    assert warning_lines(run.output) == []
+    assert ("FULL_SHARD with one process: NO_SHARD" in run.stdout
+            and "FSDP built 5 units: NO_SHARD" in run.stdout)
+    assert run.metrics["world_size"] == 1 and run.metrics["sharding_strategy"] == "NO_SHARD"
+    assert (run.cwd / run.metrics["checkpoint"]).is_dir()
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     from t5_fsdp_finetune import find_checkpoint
 
-    for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp", "checkpoint-epoch-12"):
+    for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp",
+                 "checkpoint-epoch-12"):
         (tmp_path / name).mkdir()
         if name != "checkpoint-epoch-12":  # no trainer_state.json: incomplete
             (tmp_path / name / "trainer_state.json").write_text("{}")
     assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
-    assert find_checkpoint(str(tmp_path / "checkpoint-epoch-2")) == str(tmp_path / "checkpoint-epoch-2")
+    assert (find_checkpoint(str(tmp_path / "checkpoint-epoch-2"))
+            == str(tmp_path / "checkpoint-epoch-2"))
     assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
 
 
 def test_help_explains_every_flag():
-    flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr", "--gamma",
-             "--seed", "--num-train-samples", "--num-val-samples", "--input-length", "--output-length",
-             "--sharding-strategy", "--backward-prefetch", "--mixed-precision", "--activation-checkpointing",
-             "--limit-all-gathers", "--track-memory", "--no-track-memory", "--run-validation", "--no-run-validation",
-             "--save-model", "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
-             "--dist-timeout", "--metrics-json"]
-    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True, timeout=60)
+    flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr",
+             "--gamma", "--seed", "--num-train-samples", "--num-val-samples", "--input-length",
+             "--output-length", "--sharding-strategy", "--backward-prefetch", "--mixed-precision",
+             "--activation-checkpointing", "--limit-all-gathers", "--track-memory",
+             "--no-track-memory", "--run-validation", "--no-run-validation", "--save-model",
+             "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
+             "--world-size", "--dist-timeout", "--metrics-json"]
+    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
     assert [f for f in flags if f not in help_text] == []
-    assert "(default: t5-base)" in help_text and "(default: 1500)" in help_text and "(default: 0.002)" in help_text
+    assert ("(default: t5-base)" in help_text and "(default: 1500)" in help_text
+            and "(default: 0.002)" in help_text)
 
 
 # The dataset, in this process.
@@ -197,20 +270,25 @@ print(json.dumps({split: [t for t, _, _ in read_articles(sys.argv[2], split)] fo
 
 def test_fallback_split_is_deterministic_and_disjoint(tmp_path):
     data = write_wikihow(tmp_path / "no_split_lists", split_files=False)
-    splits = {split: [t for t, _, _ in read_articles(data, split)] for split in ("train", "validation", "test")}
+    splits = {split: [t for t, _, _ in read_articles(data, split)]
+              for split in ("train", "validation", "test")}
     kept = [t for key in ("train", "val", "test") for t in split_titles()[key] if t not in DROPPED]
-    assert sorted(sum(splits.values(), [])) == sorted(kept)  # disjoint, and every article in one split
+    # disjoint, and every article in one split
+    assert sorted(sum(splits.values(), [])) == sorted(kept)
     assert len(splits["train"]) > 0.8 * len(kept) and splits["validation"] and splits["test"]
     assert all(fallback_split(t) == split for split, ts in splits.items() for t in ts)
-    # Every rank computes the split itself: it must not depend on the process (e.g. on Python's hash seed).
-    proc = subprocess.run([sys.executable, "-c", SPLITS_IN_A_FRESH_PROCESS, REPO, data], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    # Every rank computes the split itself: it must not depend on the process (e.g. on Python's
+    # hash seed).
+    proc = subprocess.run([sys.executable, "-c", SPLITS_IN_A_FRESH_PROCESS, REPO, data],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == splits
 
 
 def test_filtered_rows_are_dropped_and_text_cleaned(wikihow_dir):
-    articles = [a for split in ("train", "validation", "test") for a in read_articles(wikihow_dir, split)]
+    articles = [a for split in ("train", "validation", "test")
+                for a in read_articles(wikihow_dir, split)]
     assert len(articles) == TRAIN + VAL + TEST  # every other article is kept
     assert not {t for t, _, _ in articles} & set(DROPPED)
     for _, text, headline in articles:
@@ -222,12 +300,15 @@ def test_filtered_rows_are_dropped_and_text_cleaned(wikihow_dir):
 
 
 def test_label_padding_is_minus_100(tokenizer, wikihow_dir):
-    dataset = wikihow(tokenizer, "validation", None, INPUT_LENGTH, OUTPUT_LENGTH, data_dir=wikihow_dir)
+    dataset = wikihow(tokenizer, "validation", None, INPUT_LENGTH, OUTPUT_LENGTH,
+                      data_dir=wikihow_dir)
     item = dataset[0]
     assert set(item) == {"source_ids", "source_mask", "target_ids", "target_mask"}
     mask, ids = dataset.target_mask, dataset.target_ids
-    assert ids.shape == (len(dataset), OUTPUT_LENGTH) and dataset.source_ids.shape == (len(dataset), INPUT_LENGTH)
-    assert (mask == 0).any() and (mask == 1).all(dim=1).any()  # some summaries padded, some truncated
+    assert (ids.shape == (len(dataset), OUTPUT_LENGTH)
+            and dataset.source_ids.shape == (len(dataset), INPUT_LENGTH))
+    # some summaries padded, some truncated
+    assert (mask == 0).any() and (mask == 1).all(dim=1).any()
     assert torch.equal(ids == -100, mask == 0)
     assert (dataset.source_ids[dataset.source_mask == 0] == tokenizer.pad_token_id).all()
 
@@ -251,7 +332,8 @@ def test_dataset_errors_say_what_to_do(tokenizer, tmp_path, make, message):
 
 @pytest.mark.gpu
 def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
-    """World size 1 on a GPU: auto picks bf16 where the GPU has it; fp16 with the sharded grad scaler learns."""
+    """World size 1 on a GPU: auto picks bf16 where the GPU has it; fp16 with the sharded grad
+    scaler learns."""
     for precision in ("auto", "fp16"):
         run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, "--mixed-precision", precision,
                                           "--no-save-model"), nproc=1)
@@ -261,4 +343,4 @@ def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
             if precision == "auto" else "fp16"
         assert run.metrics["mixed_precision"] == expected
         assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
-        assert "CUDA memory" in run.stdout
+        assert "Peak memory per rank (CUDA allocated)" in run.stdout

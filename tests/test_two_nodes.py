@@ -1,5 +1,6 @@
-"""Two nodes on one machine: two torchrun agents (--nnodes 2, one process each) that meet through c10d
-rendezvous on localhost, as two machines would. The results must be those of one node with 2 processes."""
+"""Two nodes on one machine: two torchrun agents (--nnodes 2, one process each) that meet through
+c10d rendezvous on localhost, as two machines would. The results must be those of one node with 2
+processes."""
 import json
 import os
 import socket
@@ -20,48 +21,56 @@ def free_port():
 
 
 def run_two_nodes(tmp_path, script, *args):
-    """Start node 0 and node 1, each in its own folder; return the metrics that global rank 0 wrote."""
+    """Start node 0 and node 1, each in its own folder; return the metrics global rank 0 wrote."""
     endpoint = f"127.0.0.1:{free_port()}"
     agents = []
     for node in (0, 1):
         folder = tmp_path / f"node{node}"
         folder.mkdir(exist_ok=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", node,
-                   "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
-                   REPO / script, *args, "--metrics-json", "metrics.json"]
-        # torchrun sets one thread per process only for several processes per node; the one-node runs have it.
-        agents.append(subprocess.Popen([str(c) for c in command], cwd=folder, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2,
+                   "--node-rank", node, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", endpoint, "--rdzv-id", "test", REPO / script, *args,
+                   "--metrics-json", "metrics.json"]
+        # torchrun sets one thread per process only for several processes per node; the one-node
+        # runs have it.
+        agents.append(subprocess.Popen([str(c) for c in command], cwd=folder,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
     written = [tmp_path / f"node{node}" / "metrics.json" for node in (0, 1)]
     written = [path for path in written if path.exists()]
-    assert len(written) == 1, written  # c10d rendezvous orders the nodes as they arrive: either may be rank 0
+    # c10d rendezvous orders the nodes as they arrive: either may be rank 0
+    assert len(written) == 1, written
     return json.loads(written[0].read_text())
 
 
 def test_fsdp2_on_two_nodes_matches_one_node(tmp_path, fsdp2_reference):
-    """Both nodes start from a copy of the one-node run's step-10 checkpoint (only rank 0 reads it, with the
-    DTensor API) and must go on exactly as that run did, to the same step-20 checkpoint."""
+    """Both nodes start from a copy of the one-node run's step-10 checkpoint (only rank 0 reads it,
+    with the DTensor API) and must go on exactly as that run did, to the same step-20 checkpoint."""
     for node in (0, 1):
         copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / f"node{node}" / "ckpt")
     metrics = run_two_nodes(tmp_path, "fsdp2_transformer.py", *FSDP2_REFERENCE)
     assert metrics["world_size"] == 2 and metrics["first_step"] == 11
     assert metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:], rel=1e-6)
-    assert metrics["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"][10:], rel=1e-6)
+    assert metrics["grad_norms"] == pytest.approx(fsdp2_reference.metrics["grad_norms"][10:],
+                                                  rel=1e-6)
     final = torch.load(os.path.join(metrics["checkpoint"], "model.pt"), weights_only=True)
-    expected = torch.load(fsdp2_reference.cwd / "ckpt" / "step_000020" / "model.pt", weights_only=True)
+    expected = torch.load(fsdp2_reference.cwd / "ckpt" / "step_000020" / "model.pt",
+                          weights_only=True)
     assert all(torch.allclose(final[k], expected[k], rtol=1e-6, atol=1e-7) for k in expected)
 
 
 def test_fsdp1_hybrid_shard_on_two_nodes_matches_one_node(tmp_path, cached_torchrun, mnist_dir):
-    """HYBRID_SHARD shards within a node and replicates across nodes: on 2 nodes of 1 process each, every rank
-    holds the whole model (a 2 x 1 mesh), on 1 node of 2 processes half of it (1 x 2). Same losses either way."""
+    """HYBRID_SHARD shards within a node and replicates across nodes: on 2 nodes of 1 process each,
+    every rank holds the whole model (a 2 x 1 mesh), on 1 node of 2 processes half of it (1 x 2).
+    Same losses either way."""
     args = ["--data-dir", mnist_dir, "--epochs", 2, *MNIST_TINY, *HYBRID]
     two_nodes = run_two_nodes(tmp_path, "fsdp1_mnist.py", *args)
     one_node = cached_torchrun("fsdp1_mnist.py", *args)
     assert one_node.returncode == 0, one_node.output
-    assert two_nodes["world_size"] == 2 and two_nodes["sharding_strategy"] == "NO_SHARD"  # see the script
+    # NO_SHARD: see the script
+    assert two_nodes["world_size"] == 2 and two_nodes["sharding_strategy"] == "NO_SHARD"
     assert two_nodes["train_losses"] == pytest.approx(one_node.metrics["train_losses"], rel=1e-4)
     assert two_nodes["accuracy"] == pytest.approx(one_node.metrics["accuracy"], abs=1 / 295)
     assert two_nodes["train_state_bytes"] >= 1.9 * one_node.metrics["train_state_bytes"]

@@ -20,24 +20,29 @@ import random
 import sys
 from pathlib import Path
 
-VERBS = ["Clean", "Paint", "Repair", "Build", "Decorate", "Organize", "Measure", "Polish", "Wrap", "Move",
-         "Sand", "Fold", "Store", "Dry", "Photograph", "Sell", "Inspect", "Label", "Protect", "Replace"]
-THINGS = ["a Bicycle", "a Garden Bench", "a Kitchen Table", "a Wooden Fence", "a Bookshelf", "a Canoe",
-          "a Window Frame", "a Leather Sofa", "a Clay Pot", "a Birdhouse", "a Guitar", "a Tent", "a Lamp",
-          "a Doghouse", "a Mailbox", "a Picnic Basket", "a Treehouse", "a Rocking Chair", "a Skateboard",
+VERBS = ["Clean", "Paint", "Repair", "Build", "Decorate", "Organize", "Measure", "Polish", "Wrap",
+         "Move", "Sand", "Fold", "Store", "Dry", "Photograph", "Sell", "Inspect", "Label",
+         "Protect", "Replace"]
+THINGS = ["a Bicycle", "a Garden Bench", "a Kitchen Table", "a Wooden Fence", "a Bookshelf",
+          "a Canoe", "a Window Frame", "a Leather Sofa", "a Clay Pot", "a Birdhouse", "a Guitar",
+          "a Tent", "a Lamp", "a Doghouse", "a Mailbox", "a Picnic Basket", "a Treehouse",
+          "a Rocking Chair", "a Skateboard",
           "Your Cat's Bed"]  # the split lists spell it YourCatsBed: alphanumerics only
-TOOLS = ["a soft brush", "a damp cloth", "fine sandpaper", "a tape measure", "a screwdriver", "warm water",
-         "a bucket", "some gloves", "a pencil", "a level", "a sponge", "a ladder"]
+TOOLS = ["a soft brush", "a damp cloth", "fine sandpaper", "a tape measure", "a screwdriver",
+         "warm water", "a bucket", "some gloves", "a pencil", "a level", "a sponge", "a ladder"]
 WAYS = ["slowly", "carefully", "twice", "from top to bottom", "in small sections", "before noon"]
-REASONS = ["so that nothing gets scratched", "because dust hides small cracks", "which saves time later",
-           "so the work lasts for years", "since rushing leads to mistakes", "and ask a friend to help"]
+REASONS = ["so that nothing gets scratched", "because dust hides small cracks",
+           "which saves time later", "so the work lasts for years",
+           "since rushing leads to mistakes", "and ask a friend to help"]
 TRAIN, VAL, TEST = 300, 64, 36  # articles per split; 400 = every verb with every thing
 # Rows the filters must drop (empty text or headline, headline not shorter than 0.75 x text),
 # each under a title that the split lists name, so that only the filter can drop them.
 DROPPED = {
     "How to Keep an Empty Article": ("\nThis headline has no article.", ""),
-    "How to Write No Summary": ("", "This article has no summary at all. It is long enough to be kept otherwise."),
-    "How to Summarize at Length": ("\nA summary that goes on and on, far longer than the tiny article it summarizes.",
+    "How to Write No Summary": ("", "This article has no summary at all. "
+                                    "It is long enough to be kept otherwise."),
+    "How to Summarize at Length": ("\nA summary that goes on and on, "
+                                   "far longer than the tiny article it summarizes.",
                                    "Too short."),
 }
 TEXT_COLUMNS = ("headline", "title", "text")
@@ -48,7 +53,8 @@ def article(rng, verb, thing):
     noun = thing.split(" ", 1)[1].lower()
     steps = [f"{rng.choice(['Use', 'Take', 'Get'])} {rng.choice(TOOLS)}",
              f"{verb} the {noun} {rng.choice(WAYS)}",
-             f"Check it {rng.choice(['again', 'in daylight', 'the next day'])}"][: rng.choice([1, 2, 3])]
+             f"Check it {rng.choice(['again', 'in daylight', 'the next day'])}"
+             ][: rng.choice([1, 2, 3])]
     paragraphs = [f"{step}. Do this {rng.choice(WAYS)}, {rng.choice(REASONS)}." for step in steps]
     if rng.random() < 0.2:  # the quirks clean_text removes
         paragraphs[0] = f'Example of text: ``{paragraphs[0]}" she said.'
@@ -101,16 +107,19 @@ def write_csv_without_headline(root):
 
 
 def train_vocab(lines, vocab_size):
-    """A sentencepiece unigram vocabulary as [(piece, score)], with T5's ids: <pad> 0, </s> 1, <unk> 2."""
+    """A sentencepiece unigram vocabulary as [(piece, score)], with T5's ids: <pad> 0, </s> 1,
+    <unk> 2."""
     import sentencepiece as spm
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
-                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model,
+                                   vocab_size=vocab_size, model_type="unigram",
+                                   pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
                                    character_coverage=1.0, hard_vocab_limit=False, num_threads=1,
                                    minloglevel=2)
     processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    return [(processor.id_to_piece(i), processor.get_score(i)) for i in range(processor.get_piece_size())]
+    return [(processor.id_to_piece(i), processor.get_score(i))
+            for i in range(processor.get_piece_size())]
 
 
 def write_tiny_t5(path, vocab_size=320, seed=0):
@@ -118,10 +127,12 @@ def write_tiny_t5(path, vocab_size=320, seed=0):
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
-    lines = [line for title, headline, text in articles() for line in (title, *headline.split("\n"), text) if line]
+    lines = [line for title, headline, text in articles()
+             for line in (title, *headline.split("\n"), text) if line]
     tokenizer = T5Tokenizer(vocab=train_vocab(lines, vocab_size), extra_ids=0)
-    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
-                      relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.1,
+    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                      num_heads=2, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=32, dropout_rate=0.1,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       decoder_start_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
@@ -134,4 +145,5 @@ if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit(f"usage: python {sys.argv[0]} DATA_DIR MODEL_DIR")
     data, model = write_wikihow(sys.argv[1]), write_tiny_t5(sys.argv[2])
-    print(f"wrote {data / 'wikihowAll.csv'} (+ split lists) and the tiny T5 model and tokenizer in {model}")
+    print(f"wrote {data / 'wikihowAll.csv'} (+ split lists) "
+          f"and the tiny T5 model and tokenizer in {model}")
