@@ -278,7 +278,7 @@ def parse_args():
     add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
     add("--data-dir", default="../data", help="folder of MNIST/raw; downloaded there if missing")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (default: one per GPU, or 2 on CPU)")
+        "torchrun (None: one per GPU, or 2 on CPU)")
     add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
         "for a lost or hung peer before the job fails (longer than the MNIST download)")
     add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")

@@ -28,10 +28,12 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -44,16 +46,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------- model
 @torch.no_grad()
 def init_(param, fill):
     """Initialize param (a plain tensor or an FSDP2 DTensor shard) with fill(full tensor).
-    Every rank draws the full tensor from the same CPU generator and keeps its shard: the model is
-    the same at any world size. (DTensor's own random ops do that only on CUDA; on a CPU mesh
-    every rank draws the same numbers for its shard.)"""
+
+    On CUDA, DTensor's random ops fill each rank's shard with the numbers of its part of the full
+    tensor, so no rank ever holds a full tensor: the scalable init. They do that only on CUDA (on
+    a CPU mesh every rank draws the same numbers for its shard), so on CPU every rank draws the
+    full tensor from the same generator and keeps its shard: the same model at any world size."""
+    if param.device.type == "cuda":
+        fill(param)
+        return
     full = fill(torch.empty(param.shape, dtype=param.dtype))
     if isinstance(param, DTensor):  # keep this rank's shard; src_data_rank=None: no communication
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
@@ -122,13 +130,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(dim, n_heads) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size)
+        self.activation_checkpointing = False  # see shard_model() and forward()
         self.reset_parameters()  # a no-op on the meta device; after to_empty, call it again
 
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
-            x = layer(x)
+            if self.activation_checkpointing:  # keep only x; recompute the block in backward
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         # Workaround: self.output(x) gives the same numbers, but F.linear of a 3-D input with a
         # bias returns a view, and FSDP2 (torch 2.14) warns about every root output that is a
         # view, since an in-place op on it would skip its hooks. matmul + bias makes no view.
@@ -177,9 +189,12 @@ def global_batch(rules, step, batch_size, seq_len, seed):
 # ----------------------------------------------------------------------------------------- FSDP2
 def shard_model(args, device, mesh):
     """Build on the meta device (no memory), shard each block and then the root with fully_shard,
-    then materialize this rank's shards (to_empty) and initialize them (reset_parameters)."""
+    then materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a
+    2-D mesh (--replicate-degree > 1) fully_shard does HSDP: it shards along the mesh's second
+    dimension and replicates along the first."""
     with torch.device("meta"):
         model = Transformer(**model_config(args))
+    model.activation_checkpointing = args.activation_checkpointing
     fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": not args.no_reshard_after_forward}
     if args.mixed_precision:  # compute in bf16, reduce gradients in fp32
         fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -187,6 +202,8 @@ def shard_model(args, device, mesh):
     if args.cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.layers:  # each block: one all-gather in forward, one reduce-scatter after
+        if args.compile:  # in place, before fully_shard, as torchtitan does: the names stay
+            layer.compile(fullgraph=True)
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm and output
     model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards: host memory
@@ -201,14 +218,22 @@ def shard_model(args, device, mesh):
 
 def describe_sharding(model, mixed_precision):
     """Check and print what fully_shard built, read from the model: float32 DTensor parameters
-    sharded Shard(0), the FSDP units and their prefetch plan, bf16 under mixed precision."""
+    sharded Shard(0) (and replicated across the first mesh dimension under HSDP), the FSDP units
+    and their prefetch plan, compiled and checkpointed blocks, bf16 under mixed precision."""
     params = list(model.parameters())
-    if not all(isinstance(p, DTensor) and p.placements == (Shard(0),) and p.dtype == torch.float32
+    mesh = params[0].device_mesh
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
                for p in params):
-        fail("fully_shard did not turn every parameter into a float32 DTensor sharded Shard(0)")
+        fail(f"fully_shard did not turn every parameter into a float32 DTensor {placements}")
+    layout = f"sharded Shard(0) over {mesh.size()} ranks" if mesh.ndim == 1 else (
+        f"replicated over {mesh.shape[0]} and sharded Shard(0) over {mesh.shape[1]} ranks (HSDP)")
     rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
-                "float32 DTensors sharded Shard(0); rank 0 holds "
+                f"float32 DTensors {layout}; rank 0 holds "
                 f"{sum(p.to_local().numel() for p in params):,} values")
+    compiled = sum(layer._compiled_call_impl is not None for layer in model.layers)  # private
+    rank0_print(f"Blocks compiled: {compiled} of {len(model.layers)}; activation checkpointing: "
+                f"{'every block' if model.activation_checkpointing else 'none'}")
     units = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     names = {module._get_fsdp_state(): name for name, module in units}
     for name, module in units:
@@ -258,41 +283,118 @@ def train_step(model, optimizer, tokens, args):
 
 
 # ------------------------------------------------------------------------------------ checkpoint
-# <checkpoint-dir>/step_000050/ holds model.pt, a plain state dict of Transformer; optimizer.pt,
-# the optimizer state keyed by parameter name (DCP's full state-dict format, with either API);
-# COMPLETE, written last: the step and model sizes. Full tensors: any world size can resume. The
-# folder is written as step_000050.tmp and renamed when complete.
 MODEL_FILE, OPTIMIZER_FILE, MARKER_FILE = "model.pt", "optimizer.pt", "COMPLETE"
 
 
-def save_checkpoint(model, optimizer, step, args):
-    """Gather the full state onto rank 0's CPU (every rank takes part) and write it there."""
-    if args.dcp_api:  # DCP state-dict API: rank 0 receives the full tensors, on CPU
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
-        optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-    else:
-        model_state, optim_state = gather_with_dtensor_api(model, optimizer)
-    path, error = os.path.abspath(os.path.join(args.checkpoint_dir, f"step_{step:06d}")), None
-    if dist.get_rank() == 0:
+class Checkpointer:
+    """Saves <checkpoint-dir>/step_000050/ checkpoints; resumes from the newest complete one.
+
+    full: rank 0 gathers the whole state (DTensor API, or the DCP state-dict API with --dcp-api)
+    and writes model.pt, a plain state dict of Transformer, and optimizer.pt, keyed by parameter
+    name: plain files, but rank 0 must hold the whole state in host memory.
+    sharded: every rank writes only its own shards with dcp.save (torchtitan's format), so no rank
+    ever holds a full tensor. With --async-checkpoint, dcp.async_save copies the shards to host
+    memory and writes them in a background thread while training goes on.
+    Both resume at any world size. A checkpoint is written into step_000050.tmp; rank 0 adds the
+    COMPLETE marker (the step, the model sizes, the format) last and renames it to step_000050."""
+
+    def __init__(self, args):
+        self.args, self.pending, self.error = args, None, None  # pending: an async save's future
+        self.marked = threading.Event()  # rank 0 has marked the async save complete (or failed)
+        # Background writes run their collectives on a process group of their own, so that they
+        # never interleave with the training's (as torchtitan does).
+        self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+
+    def save(self, model, optimizer, step):
+        self.finish()  # one save at a time
+        path = os.path.abspath(os.path.join(self.args.checkpoint_dir, f"step_{step:06d}"))
+        if self.args.checkpoint_format == "full":
+            model_state, optim_state = gather_full_state(model, optimizer, self.args.dcp_api)
+            files = [(MODEL_FILE, model_state), (OPTIMIZER_FILE, optim_state)]
+            self.mark_complete(step, path, files)
+            agree_on_error(self.error)
+            return path
+        state = {"model": get_model_state_dict(model),  # this rank's shards, as DTensors
+                 "optimizer": get_optimizer_state_dict(model, optimizer)}
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
+        dist.barrier()
+        if not self.args.async_checkpoint:
+            dcp.save(state, checkpoint_id=f"{path}.tmp")
+            self.mark_complete(step, path)
+            agree_on_error(self.error)
+            return path
+        self.pending = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group)
+        if dist.get_rank() == 0:  # DCP's coordinator finishes last, once every shard is written
+            self.marked.clear()
+            self.pending.add_done_callback(lambda done: self.mark_complete(step, path, done=done))
+        return path
+
+    def finish(self):
+        """Wait for the async save in flight, if any, and for rank 0 to have marked it."""
+        if self.pending:
+            self.pending.exception()  # waits; a failed write is reported by mark_complete
+            if dist.get_rank() == 0:
+                self.marked.wait()
+            self.pending = None
+            agree_on_error(self.error)
+
+    def mark_complete(self, step, path, files=(), done=None):
+        """Rank 0 writes the files it holds, then the marker, then renames step_N.tmp to step_N.
+        Called in the background thread for an async save: errors wait for finish()."""
         try:
-            os.makedirs(f"{path}.tmp", exist_ok=True)  # a leftover of a crash is overwritten
-            torch.save(model_state, os.path.join(f"{path}.tmp", MODEL_FILE))
-            torch.save(optim_state, os.path.join(f"{path}.tmp", OPTIMIZER_FILE))
-            with open(os.path.join(f"{path}.tmp", MARKER_FILE), "w") as f:
-                json.dump({"step": step, "model": model_config(args)}, f)
-            shutil.rmtree(path, ignore_errors=True)  # the same step of an earlier run
-            os.replace(f"{path}.tmp", path)
+            if done is not None and done.exception() is not None:  # the async write failed
+                raise OSError(" ".join(str(done.exception()).split())[:300])
+            if dist.get_rank() == 0:
+                os.makedirs(f"{path}.tmp", exist_ok=True)
+                for name, state in files:
+                    torch.save(state, os.path.join(f"{path}.tmp", name))
+                with open(os.path.join(f"{path}.tmp", MARKER_FILE), "w") as f:
+                    json.dump({"step": step, "model": model_config(self.args),
+                               "format": self.args.checkpoint_format}, f)
+                shutil.rmtree(path, ignore_errors=True)  # the same step of an earlier run
+                os.replace(f"{path}.tmp", path)
+                rank0_print(f"Saved checkpoint {path}" + (" (in the background)" if done else ""))
         except OSError as e:
-            error = f"cannot write checkpoint {path} ({e}); pass a writable --checkpoint-dir"
-    agree_on_error(error)
-    rank0_print(f"Saved checkpoint {path}")
-    return path
+            self.error = f"cannot write checkpoint {path} ({e}); pass a writable --checkpoint-dir"
+        finally:
+            self.marked.set()
+
+    def load(self, model, optimizer):
+        """Resume from the newest complete checkpoint; returns its step (0: none). Rank 0 checks
+        it; a full one only rank 0 reads, and the others receive the state through collectives;
+        a sharded one every rank reads, taking the parts of its own shards."""
+        found, full_state, error = [None], (None, None), None
+        if dist.get_rank() == 0:
+            path = find_checkpoint(self.args.checkpoint_dir)
+            if path:
+                found[0], full_state, error = read_checkpoint(path, model, self.args)
+        agree_on_error(error)
+        dist.broadcast_object_list(found, src=0)  # (step, path, format): all must know
+        if found[0] is None:
+            rank0_print(f"No checkpoint in {self.args.checkpoint_dir}: starting from step 0")
+            return 0
+        step, path, checkpoint_format = found[0]
+        if checkpoint_format == "sharded":
+            load_sharded(model, optimizer, path)
+        elif self.args.dcp_api:  # DCP state-dict API: rank 0's full state, broadcast and sharded
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, full_state[0] or {}, options=options)
+            set_optimizer_state_dict(model, optimizer, full_state[1] or {}, options=options)
+        else:
+            load_with_dtensor_api(model, optimizer, *full_state)
+        rank0_print(f"Resumed from {path} at step {step}")
+        return step
 
 
-def gather_with_dtensor_api(model, optimizer):
-    """The full state from the DTensor shards: full_tensor() all-gathers one tensor, so every rank
-    calls it, in the same order. Only rank 0 keeps the full tensors, on its CPU."""
+def gather_full_state(model, optimizer, dcp_api):
+    """The full model and optimizer state on rank 0's CPU; every rank takes part in gathering it,
+    and the others get empty dicts. The same result with either API."""
+    if dcp_api:  # DCP state-dict API
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(model, options=options),
+                get_optimizer_state_dict(model, optimizer, options=options))
+    # DTensor API: full_tensor() all-gathers one tensor, so every rank calls it, in the same order.
     keep = dist.get_rank() == 0
     model_state, optim_state = {}, {"state": {}, "param_groups": []}
     for name, value in model.state_dict().items():
@@ -308,31 +410,26 @@ def gather_with_dtensor_api(model, optimizer):
                 optim_state["state"][names[index]][key] = value.cpu()
     for group in optimizer.state_dict()["param_groups"]:
         optim_state["param_groups"].append({**group, "params": [names[i] for i in group["params"]]})
-    return model_state, optim_state
+    return (model_state, optim_state) if keep else ({}, {})
 
 
-def load_checkpoint(model, optimizer, args):
-    """Resume from the newest complete checkpoint in --checkpoint-dir; returns its step (0: none).
-    Only rank 0 reads the files; the other ranks receive the state through collectives."""
-    path, step, model_state, optim_state, error = None, 0, None, None, None
-    if dist.get_rank() == 0:
-        path = find_checkpoint(args.checkpoint_dir)
-        if path:
-            step, model_state, optim_state, error = read_checkpoint(path, model, args)
+def load_sharded(model, optimizer, path):
+    """Every rank reads the parts of the saved shards that make up its own shards: DCP reshards
+    a checkpoint written at another world size or mesh."""
+    state = {"model": get_model_state_dict(model),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    error = None
+    try:
+        dcp.load(state, checkpoint_id=path)  # raises on every rank if any rank fails
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        # A CheckpointException holds each failed rank's exception, with its traceback.
+        cause = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e
+        reason = " ".join(str(cause).split()).split(". ")[0][:200]  # its first sentence
+        error = (f"cannot read checkpoint {path} ({type(cause).__name__}: {reason}); delete it to "
+                 "resume from the checkpoint before it, or pass --no-resume")
     agree_on_error(error)
-    box = [step]
-    dist.broadcast_object_list(box, src=0)  # every rank must know whether there is one
-    if box[0] == 0:
-        rank0_print(f"No checkpoint in {args.checkpoint_dir}: starting from step 0")
-        return 0
-    if args.dcp_api:  # DCP state-dict API: rank 0's full state dicts, broadcast and sharded
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(model, model_state or {}, options=options)
-        set_optimizer_state_dict(model, optimizer, optim_state or {}, options=options)
-    else:
-        load_with_dtensor_api(model, optimizer, model_state, optim_state)
-    rank0_print(f"Resumed from {path} at step {box[0]}")
-    return box[0]
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def load_with_dtensor_api(model, optimizer, model_state, optim_state):
@@ -388,37 +485,45 @@ def find_checkpoint(root):
 
 
 def read_checkpoint(path, model, args):
-    """Read a checkpoint's files and check that they fit this run: returns (step, model state,
-    optimizer state, None), or (0, None, None, why not)."""
+    """Rank 0 reads a checkpoint's marker (and a full one's files) and checks that they fit this
+    run. Returns ((step, path, format), (model state, optimizer state), None), the states None
+    for a sharded checkpoint, or (None, (None, None), why not)."""
     loaded = []
     for name in (MARKER_FILE, MODEL_FILE, OPTIMIZER_FILE):
+        if loaded and loaded[0].get("format", "full") == "sharded":
+            break  # its shards are read by every rank in load_sharded()
         try:
             with open(os.path.join(path, name), "rb") as f:
                 loaded.append(json.load(f) if name == MARKER_FILE else
                               torch.load(f, weights_only=True))
         except Exception as e:
-            return 0, None, None, (f"cannot read checkpoint file {os.path.join(path, name)} ("
-                                   f"{' '.join(str(e).split())}); delete {path} to resume from the "
-                                   "checkpoint before it, or pass --no-resume")
-    marker, model_state, optim_state = loaded
+            reason = " ".join(str(e).split())
+            return None, (None, None), (
+                f"cannot read checkpoint file {os.path.join(path, name)} ({reason}); delete "
+                f"{path} to resume from the checkpoint before it, or pass --no-resume")
+    marker, states = loaded[0], (loaded[1:] or [None, None])
     if marker.get("model") != model_config(args):
         flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (config or {}).items())
                  for config in (marker.get("model"), model_config(args))]
-        return 0, None, None, (f"checkpoint {path} was written for another model ({flags[0]}) "
-                               f"than this run's ({flags[1]}); pass its sizes, another "
-                               "--checkpoint-dir or --no-resume")
+        return None, (None, None), (
+            f"checkpoint {path} was written for another model ({flags[0]}) than this run's "
+            f"({flags[1]}); pass its sizes, another --checkpoint-dir or --no-resume")
     shapes = {name: p.shape for name, p in model.named_parameters()}
     try:
-        fits = {k: v.shape for k, v in model_state.items()} == shapes and marker["step"] > 0
-        fits = fits and set(optim_state["state"]) == set(shapes)
-        for name, entries in optim_state["state"].items():
-            fits = fits and all(v.shape in (torch.Size(), shapes[name]) for v in entries.values())
+        fits = isinstance(marker["step"], int) and marker["step"] > 0
+        model_state, optim_state = states
+        if model_state is not None:  # a full checkpoint: its tensors must fit the model
+            fits = fits and {k: v.shape for k, v in model_state.items()} == shapes
+            fits = fits and set(optim_state["state"]) == set(shapes)
+            for name, entries in optim_state["state"].items():
+                for value in entries.values():
+                    fits = fits and value.shape in (torch.Size(), shapes[name])
     except (AttributeError, KeyError, TypeError):
         fits = False
     if not fits:
-        return 0, None, None, (f"checkpoint {path} does not hold this model's parameters and "
-                               "optimizer state; pass --no-resume")
-    return marker["step"], model_state, optim_state, None
+        return None, (None, None), (f"checkpoint {path} does not hold this model's parameters and "
+                                    "optimizer state; pass --no-resume")
+    return (marker["step"], path, marker.get("format", "full")), states, None
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -445,8 +550,38 @@ class StepLog:
         return tokens / sum(seconds) if seconds else None
 
 
-def main(args, device):
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+# Dense peak TFLOP/s of one GPU in (bf16, fp32), from NVIDIA's data sheets: the first name found
+# in torch.cuda.get_device_name() counts. Other GPUs get no MFU.
+PEAK_TFLOPS = {"H100 PCIe": (756, 51), "H100": (989, 67), "H200": (989, 67), "A100": (312, 19.5),
+               "L40S": (362, 91.6), "L4": (121, 30.3)}
+
+
+def flops_per_token(model, seq_len):
+    """Model FLOPs of one trained token, as torchtitan counts them: 6 per parameter outside the
+    embeddings (the matmuls of forward and backward) plus 12 x layers x dim x seq_len for the
+    attention scores and values. Recomputation (activation checkpointing) does not count."""
+    embeddings = model.tok_embeddings.weight.numel() + model.pos_embeddings.weight.numel()
+    params = sum(p.numel() for p in model.parameters()) - embeddings  # DTensors: global sizes
+    return 6 * params + 12 * len(model.layers) * model.norm.weight.numel() * seq_len
+
+
+def utilization(model, args, tokens_per_s, device):
+    """Achieved model FLOP/s per process; on a GPU of PEAK_TFLOPS also TFLOP/s and MFU."""
+    per_process = flops_per_token(model, args.seq_len) * (tokens_per_s or 0) / dist.get_world_size()
+    figures = {"flops_per_token": flops_per_token(model, args.seq_len),
+               "gflops_per_s": per_process / 1e9,
+               "tflops_per_gpu": None, "mfu": None}
+    if device.type == "cuda":
+        figures["tflops_per_gpu"] = per_process / 1e12
+        name = torch.cuda.get_device_name(device)
+        peak = next((p for gpu, p in PEAK_TFLOPS.items() if gpu in name), None)
+        if peak:
+            figures["mfu"] = per_process / 1e12 / peak[0 if args.mixed_precision else 1]
+    return figures
+
+
+def check_args(args, device, world_size):
+    """Stop with one line when the flags cannot work together here."""
     if args.cpu_offload and device.type != "cuda":
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
@@ -458,16 +593,40 @@ def main(args, device):
         fail(f"--batch-size {args.batch_size} (the global batch) is not divisible by world size "
              f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; use a multiple of "
              f"{world_size * args.grad_accum_steps}.")
+    if world_size % args.replicate_degree:
+        fail(f"--replicate-degree {args.replicate_degree} does not divide the world size "
+             f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    if args.async_checkpoint and args.checkpoint_format != "sharded":
+        fail("--async-checkpoint writes sharded checkpoints in the background; add "
+             "--checkpoint-format sharded")
     if args.mixed_precision and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         fail("--mixed-precision computes in bfloat16, which this GPU does not support; drop it.")
+    if args.compile:  # fail now, in one line, rather than at the first step
+        try:
+            torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
+        except Exception as e:
+            fail(f"--compile: torch.compile cannot build code here ({str(e).strip()[:200]}); "
+                 "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
+
+
+def main(args, device):
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_args(args, device, world_size)
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
     check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
 
-    model = shard_model(args, device, init_device_mesh(device.type, (world_size,)))
+    # HSDP with --replicate-degree R: R replicas, each sharded over world size / R ranks.
+    if args.replicate_degree > 1:
+        shape = (args.replicate_degree, world_size // args.replicate_degree)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world_size,))
+    model = shard_model(args, device, mesh)
     describe_sharding(model, args.mixed_precision)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after sharding: DTensors
+    checkpointer = Checkpointer(args)
     resume = args.checkpoint_dir and not args.no_resume
-    start_step = load_checkpoint(model, optimizer, args) if resume else 0
+    start_step = checkpointer.load(model, optimizer) if resume else 0
     if start_step >= args.steps:
         rank0_print(f"The checkpoint is at step {start_step}, --steps is {args.steps}: no training")
     rules, rows = task_rules(args.vocab_size, args.seed), args.batch_size // world_size
@@ -481,15 +640,21 @@ def main(args, device):
         loss, grad_norm = train_step(model, optimizer, tokens, args)
         log.step(step, loss, grad_norm, time.perf_counter() - started)
         if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps):
-            checkpoint = save_checkpoint(model, optimizer, step, args)
+            checkpoint = checkpointer.save(model, optimizer, step)
+    checkpointer.finish()  # an async save still in flight
     tokens_per_s = log.tokens_per_s(log.seconds)
+    figures = utilization(model, args, tokens_per_s, device)
     if log.losses:
         rank0_print(f"Trained steps {start_step + 1}-{args.steps}: final loss {log.losses[-1]:.4f}"
-                    f" (ln(vocab) = {math.log(args.vocab_size):.4f}), {tokens_per_s:,.0f} tokens/s")
+                    f" (ln(vocab) = {math.log(args.vocab_size):.4f}), {tokens_per_s:,.0f} tokens/s"
+                    + (f", {figures['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU "
+                       f"{figures['mfu']:.1%}" if figures["mfu"] is not None else
+                       f", {figures['gflops_per_s']:,.1f} GFLOP/s per process"))
     report.training_done(model, optimizer)
     report.write(train_loss=log.losses[-1] if log.losses else None, losses=log.losses,
                  grad_norms=log.grad_norms, first_step=start_step + 1,
-                 step=max(start_step, args.steps), tokens_per_s=tokens_per_s, checkpoint=checkpoint)
+                 step=max(start_step, args.steps), tokens_per_s=tokens_per_s, checkpoint=checkpoint,
+                 **figures)
 
 
 def parse_args():
@@ -518,14 +683,28 @@ def parse_args():
     add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
     add("--grad-accum-steps", type=positive(int), default=1, metavar="K",
         help="split each rank's batch into K micro-batches; gradients are reduced after the last")
-    add("--dcp-api", action="store_true", help="checkpoint with the DCP state-dict API, not "
-        "DTensor's full_tensor/distribute_tensor (the same files either way)")
+    add("--dcp-api", action="store_true", help="full checkpoints with the DCP state-dict API, "
+        "not DTensor's full_tensor/distribute_tensor (the same files either way)")
+    add("--checkpoint-format", default="full", choices=["full", "sharded"],
+        help="full: rank 0 gathers and writes plain model.pt/optimizer.pt; sharded: every rank "
+             "writes its own shards with DCP (torchtitan: --checkpoint.enable); both resume at "
+             "any world size")
+    add("--async-checkpoint", action="store_true", help="write sharded checkpoints in the "
+        "background with dcp.async_save (torchtitan: --checkpoint.async_mode async)")
+    add("--replicate-degree", type=positive(int), default=1, metavar="R",
+        help="HSDP: R replicas, each sharded over world size / R ranks, on a 2-D mesh "
+             "(torchtitan: --parallelism.data_parallel_replicate_degree)")
+    add("--activation-checkpointing", action="store_true", help="recompute each block's "
+        "activations in backward (torchtitan: activation checkpointing mode full)")
+    add("--compile", action="store_true", help="torch.compile each block before sharding it "
+        "(torchtitan: --compile.enable)")
     add("--checkpoint-dir", metavar="DIR", help="save to DIR/step_N, resume from the newest there")
-    add("--save-every", type=positive(int), default=50, metavar="N", help="and at the last step")
+    add("--save-every", type=positive(int), default=50, metavar="N", help="save every N steps "
+        "and at the last")
     add("--no-resume", action="store_true", help="start at step 0 whatever --checkpoint-dir has")
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (default: one per GPU, or 2 on CPU)")
+        "torchrun (None: one per GPU, or 2 on CPU)")
     add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
         "for a lost or hung peer before the job fails (longer than a checkpoint write)")
     add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")

@@ -485,7 +485,7 @@ def parse_args():
     add("--save-dir", default=".", help="folder for saved models and checkpoints")
     add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (default: one per GPU, or 2 on CPU)")
+        "torchrun (None: one per GPU, or 2 on CPU)")
     add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
         "for a lost or hung peer before the job fails (longer than tokenizing the dataset)")
     add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")

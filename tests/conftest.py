@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import datasets
@@ -27,6 +28,10 @@ FSDP2_TINY = ["--vocab-size", 64, "--dim", 32, "--n-layers", 3, "--seq-len", 16,
               "--log-every", 5]
 # FSDP2's reference run: 20 steps on 2 ranks, checkpoints at steps 10 and 20 in its own folder.
 FSDP2_REFERENCE = [*FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 10]
+# The same with sharded checkpoints written in the background, on a wider model (dim 128): DCP's
+# few KiB per tensor would otherwise hide that each rank writes half the state.
+FSDP2_SHARDED = [*FSDP2_TINY, "--dim", 128, "--steps", 20, "--checkpoint-dir", "ckpt",
+                 "--save-every", 10, "--checkpoint-format", "sharded", "--async-checkpoint"]
 # 31: DistributedSampler repeats one example
 T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31
 T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH,
@@ -170,6 +175,32 @@ def fsdp2_reference(cached_torchrun):
     result = cached_torchrun("fsdp2_transformer.py", *FSDP2_REFERENCE)
     assert result.returncode == 0, result.output
     return result
+
+
+@pytest.fixture(scope="session")
+def fsdp2_sharded_reference(cached_torchrun):
+    """fsdp2_transformer.py with sharded, asynchronous checkpoints (FSDP2_SHARDED)."""
+    result = cached_torchrun("fsdp2_transformer.py", *FSDP2_SHARDED)
+    assert result.returncode == 0, result.output
+    return result
+
+
+def full_state_of(checkpoint):
+    """{name: tensor} of a step_N checkpoint folder, whichever format: model.pt and optimizer.pt's
+    tensors (keys "model.<name>", "optimizer.state.<name>.<key>") or a DCP folder's."""
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    if marker.get("format", "full") == "sharded":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        converted = Path(tempfile.mkdtemp()) / "state.pt"  # not beside it: tests list folders
+        dcp_to_torch_save(checkpoint, converted)
+        state = torch.load(converted, weights_only=False)
+    else:
+        state = {"model": torch.load(checkpoint / "model.pt", weights_only=True),
+                 "optimizer": torch.load(checkpoint / "optimizer.pt", weights_only=True)}
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for name, entries in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.state.{name}.{k}": v for k, v in entries.items()})
+    return flat
 
 
 @pytest.fixture(scope="session")

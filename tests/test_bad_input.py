@@ -62,6 +62,13 @@ CASES = [  # id, script, args, what the error line must say
      ["--checkpoint-dir", "a_file is a file"]),
     ("FSDP2 no timeout", "fsdp2_transformer.py", ["--dist-timeout", 0],
      ["--dist-timeout", "positive number, got 0"]),
+    ("FSDP2 replicas vs ranks", "fsdp2_transformer.py", ["--replicate-degree", 3],
+     ["--replicate-degree 3 does not divide the world size 2"]),
+    ("FSDP2 async full checkpoint", "fsdp2_transformer.py", ["--async-checkpoint"],
+     ["--async-checkpoint", "add --checkpoint-format sharded"]),
+    ("FSDP2 corrupted sharded checkpoint", "fsdp2_transformer.py",
+     ["--checkpoint-dir", "{fsdp2_sharded_truncated}", "--dim", 128],
+     ["cannot read checkpoint", "fsdp2_sharded_truncated/step_000010", "--no-resume"]),
     ("T5 missing CSV", "t5_fsdp_finetune.py", ["--data-dir", "{empty}"],
      ["empty/wikihowAll.csv not found", "download", "ucsb.box.com"]),
     ("T5 missing columns", "t5_fsdp_finetune.py", ["--data-dir", "{no_headline}"],
@@ -113,9 +120,10 @@ def cut_inside_a_quoted_field(csv_bytes):
     return csv_bytes[:opening_quote + 5]
 
 
-def truncate_a_shard(t5_reference, dest):
-    checkpoint = shutil.copytree(t5_reference.cwd / "checkpoint-epoch-1", dest)
-    shard = next(checkpoint.glob("*.distcp"))
+def truncate_a_shard(checkpoint, dest):
+    """A copy of a DCP checkpoint folder, at dest, whose first shard file is cut short."""
+    checkpoint = shutil.copytree(checkpoint, dest)
+    shard = sorted(checkpoint.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:1000])
     return checkpoint
 
@@ -142,6 +150,9 @@ INPUTS = {
                                                 lambda data: b"\x00\x00\x00\x00" + data[4:]),
     "fsdp2_truncated": lambda tmp, f: truncated_optimizer_file(f("fsdp2_reference"),
                                                                tmp / "fsdp2_truncated"),
+    "fsdp2_sharded_truncated": lambda tmp, f: truncate_a_shard(
+        f("fsdp2_sharded_reference").cwd / "ckpt" / "step_000010",
+        tmp / "fsdp2_sharded_truncated" / "step_000010").parent,
     "fsdp2_checkpoint": lambda tmp, f: copy_fsdp2_checkpoint(f("fsdp2_reference"), 10,
                                                              tmp / "fsdp2_checkpoint"),
     "t5_model": lambda tmp, f: f("tiny_t5_dir"),
@@ -149,7 +160,8 @@ INPUTS = {
     "no_headline": lambda tmp, f: write_csv_without_headline(tmp),
     "truncated_csv": lambda tmp, f: copy_wikihow(f("wikihow_dir"), tmp / "truncated_csv",
                                                  cut_inside_a_quoted_field),
-    "t5_corrupt": lambda tmp, f: truncate_a_shard(f("t5_reference"), tmp / "t5_corrupt"),
+    "t5_corrupt": lambda tmp, f: truncate_a_shard(f("t5_reference").cwd / "checkpoint-epoch-1",
+                                                  tmp / "t5_corrupt"),
 }
 
 

@@ -15,6 +15,7 @@ from conftest import (
     MNIST_TINY,
     T5_REFERENCE,
     TORCHRUN_REPORT,
+    full_state_of,
     t5_args,
     torchrun_command,
 )
@@ -84,25 +85,27 @@ def stop(agent):
     agent.kill()
 
 
-def load(folder):
-    return [torch.load(folder / name, weights_only=True) for name in ("model.pt", "optimizer.pt")]
-
-
+@pytest.mark.parametrize("options", [["--dcp-api"],
+                                     ["--checkpoint-format", "sharded", "--async-checkpoint"]],
+                         ids=["full checkpoints", "sharded asynchronous checkpoints"])
 def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tmp_path,
-                                                                              fsdp2_reference):
-    """torchrun --max-restarts 1; rank 0 (the one that writes) is SIGKILLed while a checkpoint is
-    half-written. The restarted workers resume from the newest complete checkpoint and end with the
+                                                                              fsdp2_reference,
+                                                                              options):
+    """torchrun --max-restarts 1; rank 0 (the one that marks checkpoints complete) is SIGKILLed
+    while a checkpoint is half-written (for asynchronous ones: while the background write is in
+    flight). The restarted workers resume from the newest complete checkpoint and end with the
     uninterrupted run's state.
 
-    Checkpoints go through the DCP API here (the reference run used the DTensor API: the files must
-    be the same). A step_000015 folder is there from the start, as a save cut short by an older
-    version would leave it: no COMPLETE marker, a truncated model.pt. Resume must pass over it.
+    Full checkpoints go through the DCP API here (the reference run used the DTensor API: the files
+    must be the same); sharded ones must hold the same tensors. A step_000015 folder is there from
+    the start, as a save cut short by an older version would leave it: no COMPLETE marker, a
+    truncated model.pt. Resume must pass over it.
     """
     checkpoints, killed = tmp_path / "ckpt", None
     (checkpoints / "step_000015").mkdir(parents=True)
     (checkpoints / "step_000015" / "model.pt").write_bytes(b"cut short")
     agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20,
-                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--dcp-api", max_restarts=1)
+                   "--checkpoint-dir", "ckpt", "--save-every", 1, *options, max_restarts=1)
     try:
         rank0 = running_workers(agent)[0]
         while killed is None and agent.poll() is None:
@@ -136,12 +139,10 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     assert (metrics["first_step"] == step + 1
             and metrics["losses"] == fsdp2_reference.metrics["losses"][step:])
     assert not list(checkpoints.glob("*.tmp"))
-    final, expected = (load(checkpoints / "step_000020"),
-                       load(fsdp2_reference.cwd / "ckpt" / "step_000020"))
-    assert final[0].keys() == expected[0].keys() and all(torch.equal(final[0][k], expected[0][k])
-                                                         for k in final[0])
-    for name, state in expected[1]["state"].items():
-        assert all(torch.equal(final[1]["state"][name][k], v) for k, v in state.items()), name
+    final = full_state_of(checkpoints / "step_000020")
+    expected = full_state_of(fsdp2_reference.cwd / "ckpt" / "step_000020")
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
 def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference,

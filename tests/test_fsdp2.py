@@ -170,6 +170,7 @@ def reduce_scatters_in_one_step(grad_accum_steps):
     args = argparse.Namespace(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16,
                               mixed_precision=False, cpu_offload=False,
                               no_reshard_after_forward=False, explicit_prefetching=False,
+                              activation_checkpointing=False, compile=False,
                               grad_accum_steps=grad_accum_steps, max_norm=1.0)
     model = script.shard_model(args, torch.device("cpu"), init_device_mesh("cpu", (2,)))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -255,13 +256,19 @@ def test_help_explains_every_flag():
              "--steps", "--lr", "--seed", "--cpu", "--explicit-prefetching", "--prefetch-depth",
              "--mixed-precision", "--max-norm", "--no-reshard-after-forward", "--cpu-offload",
              "--grad-accum-steps", "--dcp-api", "--checkpoint-dir", "--save-every", "--no-resume",
-             "--log-every", "--world-size", "--dist-timeout", "--metrics-json"]
+             "--log-every", "--world-size", "--dist-timeout", "--metrics-json",
+             "--checkpoint-format", "--async-checkpoint", "--replicate-degree",
+             "--activation-checkpointing", "--compile"]
     proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0
     help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
     assert [f for f in flags if f"{f} " not in help_text] == []
     assert "(default: 200)" in help_text and "(default: 1.0)" in help_text
+    # the torchtitan equivalent of each flag torchtitan users expect
+    for torchtitan in ("--checkpoint.enable", "--checkpoint.async_mode async",
+                       "--parallelism.data_parallel_replicate_degree", "--compile.enable"):
+        assert torchtitan in help_text, torchtitan
 
 
 @pytest.mark.gpu

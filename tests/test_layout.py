@@ -67,7 +67,7 @@ def help_text(script):
 def readme_flags():
     """{script: flags the README names for it}: a flag counts for the scripts named on its line, or
     else for those of its section's heading (all four if it names none); lines about other programs
-    (pip, pytest, the benchmark harness) are left out."""
+    (pip, pytest, the benchmark harness) and torchtitan's dotted flags are left out."""
     flags, scripts = {}, list(LESSONS)
     for line in (REPO / "README.md").read_text().splitlines():
         if line.startswith("#"):  # a heading naming no script speaks of all four
@@ -77,7 +77,7 @@ def readme_flags():
         if not named and any(program in line for program in OTHER_PROGRAMS):
             continue
         named = named or scripts
-        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]+", line):
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]+(?![\w.-])", line):
             for script in named:
                 flags.setdefault(script, set()).add(flag)
     return flags

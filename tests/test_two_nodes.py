@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FSDP2_REFERENCE, MNIST_TINY, REPO, copy_fsdp2_checkpoint
+from conftest import FSDP2_REFERENCE, FSDP2_TINY, MNIST_TINY, REPO, copy_fsdp2_checkpoint
 
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
 
@@ -20,15 +20,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_two_nodes(tmp_path, script, *args):
+def run_two_nodes(tmp_path, script, *args, nproc_per_node=1):
     """Start node 0 and node 1, each in its own folder; return the metrics global rank 0 wrote."""
     endpoint = f"127.0.0.1:{free_port()}"
     agents = []
     for node in (0, 1):
         folder = tmp_path / f"node{node}"
         folder.mkdir(exist_ok=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2,
-                   "--node-rank", node, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank",
+                   node, "--nproc-per-node", nproc_per_node, "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", endpoint, "--rdzv-id", "test", REPO / script, *args,
                    "--metrics-json", "metrics.json"]
         # torchrun sets one thread per process only for several processes per node; the one-node
@@ -74,3 +74,20 @@ def test_fsdp1_hybrid_shard_on_two_nodes_matches_one_node(tmp_path, cached_torch
     assert two_nodes["train_losses"] == pytest.approx(one_node.metrics["train_losses"], rel=1e-4)
     assert two_nodes["accuracy"] == pytest.approx(one_node.metrics["accuracy"], abs=1 / 295)
     assert two_nodes["train_state_bytes"] >= 1.9 * one_node.metrics["train_state_bytes"]
+
+
+def test_fsdp2_hsdp_on_two_nodes_matches_one_process(tmp_path, cached_torchrun, fsdp2_reference):
+    """--replicate-degree 2 on 2 nodes of 2 processes: a (2, 2) mesh that shards within a node and
+    replicates across nodes. One process's losses, the training state of plain FSDP on 2 ranks
+    (world size / R), and a full checkpoint like that run's."""
+    metrics = run_two_nodes(tmp_path, "fsdp2_transformer.py", *FSDP2_REFERENCE,
+                            "--replicate-degree", 2, nproc_per_node=2)
+    one = cached_torchrun("fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20, "--cpu", nproc=1)
+    assert one.returncode == 0, one.output
+    assert metrics["world_size"] == 4
+    assert metrics["losses"] == pytest.approx(one.metrics["losses"], rel=1e-5)
+    assert metrics["train_state_bytes"] == fsdp2_reference.metrics["train_state_bytes"]
+    final = torch.load(os.path.join(metrics["checkpoint"], "model.pt"), weights_only=True)
+    expected = torch.load(fsdp2_reference.cwd / "ckpt" / "step_000020" / "model.pt",
+                          weights_only=True)
+    assert all(torch.allclose(final[k], expected[k], rtol=1e-4, atol=1e-6) for k in expected)

@@ -1,0 +1,212 @@
+"""fsdp2_transformer.py at scale, on CPU (gloo): sharded and asynchronous DCP checkpoints that
+resume at any world size, HSDP, activation checkpointing, torch.compile, and the FLOP count."""
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FSDP2_SHARDED, FSDP2_TINY, REPO, full_state_of, warning_lines
+
+sys.path.insert(0, str(REPO))
+from fsdp2_transformer import Transformer, flops_per_token, global_batch, task_rules  # noqa: E402
+
+SCRIPT = "fsdp2_transformer.py"
+
+
+@pytest.fixture
+def fsdp2_run(cached_torchrun):
+    def run(*args, nproc=2):
+        result = cached_torchrun(SCRIPT, *args, nproc=nproc)
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def resumed_from_sharded(cached_torchrun, fsdp2_sharded_reference, tmp_path_factory):
+    """run(nproc, *options): FSDP2_SHARDED, saving synchronously unless options say otherwise, from
+    a copy of the reference's step-10 checkpoint (written asynchronously by 2 ranks), to step 20.
+    One run per (nproc, options) for the session."""
+    synchronous = [arg for arg in FSDP2_SHARDED if arg != "--async-checkpoint"]
+    folders = {}
+
+    def run(nproc, *options):
+        if (nproc, options) not in folders:
+            folder = folders[nproc, options] = tmp_path_factory.mktemp("resume") / "ckpt"
+            step_10 = fsdp2_sharded_reference.cwd / "ckpt" / "step_000010"
+            shutil.copytree(step_10, folder / "step_000010")
+        folder = folders[nproc, options]
+        result = cached_torchrun(SCRIPT, *synchronous, "--checkpoint-dir", folder, *options,
+                                 nproc=nproc)
+        assert result.returncode == 0, result.output
+        assert f"Resumed from {folder / 'step_000010'} at step 10" in result.stdout
+        assert result.metrics["first_step"] == 11 and result.metrics["world_size"] == nproc
+        return result
+
+    return run
+
+
+def test_sharded_checkpoint_files_hold_half_the_state(fsdp2_sharded_reference,
+                                                      resumed_from_sharded):
+    """At world size 2 each rank writes one file with about half the state: the largest is at most
+    0.6 of the full checkpoint of the same step (written by a run resumed on 1 rank)."""
+    sharded = fsdp2_sharded_reference.cwd / "ckpt" / "step_000020"
+    full = Path(resumed_from_sharded(1, "--checkpoint-format", "full").metrics["checkpoint"])
+    full_bytes = sum((full / name).stat().st_size for name in ("model.pt", "optimizer.pt"))
+    shards = sorted(sharded.glob("*.distcp"))
+    assert [p.name for p in shards] == ["__0_0.distcp", "__1_0.distcp"]
+    assert all(0.4 * full_bytes <= p.stat().st_size <= 0.6 * full_bytes for p in shards), (
+        [p.stat().st_size for p in shards], full_bytes)
+    assert json.loads((sharded / "COMPLETE").read_text())["format"] == "sharded"
+    assert f"Saved checkpoint {sharded} (in the background)" in fsdp2_sharded_reference.stdout
+
+
+def test_sharded_resume_at_the_same_world_size_is_exact(fsdp2_sharded_reference,
+                                                         resumed_from_sharded):
+    """10 steps + resume to 20 equals 20 straight, bit for bit: the losses and every tensor of the
+    step-20 checkpoint. The straight run saved asynchronously, the resumed one synchronously."""
+    reference = fsdp2_sharded_reference
+    resumed = resumed_from_sharded(2)
+    assert resumed.metrics["losses"] == reference.metrics["losses"][10:]
+    final = full_state_of(Path(resumed.metrics["checkpoint"]))
+    expected = full_state_of(reference.cwd / "ckpt" / "step_000020")
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_sharded_checkpoint_resumes_at_another_world_size(fsdp2_sharded_reference,
+                                                          resumed_from_sharded, nproc):
+    """DCP reshards a checkpoint written by 2 ranks for 1 or 4: the straight run's losses. (The run
+    on 1 rank saves a full checkpoint for the size test; the one on 4 saves asynchronously.)"""
+    options = ["--checkpoint-format", "full"] if nproc == 1 else ["--async-checkpoint"]
+    resumed = resumed_from_sharded(nproc, *options)
+    assert resumed.metrics["losses"] == pytest.approx(
+        fsdp2_sharded_reference.metrics["losses"][10:], rel=1e-6)
+
+
+def test_hsdp_on_one_node_replicates_and_matches_one_process(fsdp2_run):
+    """--replicate-degree 2 on 2 ranks: a (2, 1) mesh, each rank a full replica (the state one
+    process holds), one process's losses, and a sharded checkpoint of it."""
+    one = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--cpu", nproc=1).metrics
+    hsdp = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--replicate-degree", 2, "--checkpoint-dir",
+                     "ckpt", "--checkpoint-format", "sharded", "--save-every", 10)
+    assert "replicated over 2 and sharded Shard(0) over 1 ranks (HSDP)" in hsdp.stdout
+    assert hsdp.metrics["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert hsdp.metrics["train_state_bytes"] == one["train_state_bytes"]
+    assert (hsdp.cwd / "ckpt" / "step_000020" / "COMPLETE").exists()
+
+
+def test_activation_checkpointing_keeps_the_losses(fsdp2_run, fsdp2_reference):
+    run = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--activation-checkpointing")
+    assert "activation checkpointing: every block" in run.stdout
+    assert "activation checkpointing: none" in fsdp2_reference.stdout
+    assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-6)
+
+
+SAVED_FOR_BACKWARD = """
+import argparse, gc, json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+sys.path.insert(0, {repo!r})
+import fsdp2_transformer as script
+
+def saved_bytes(activation_checkpointing):
+    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16,
+                              mixed_precision=False, cpu_offload=False, compile=False,
+                              no_reshard_after_forward=False, explicit_prefetching=False,
+                              activation_checkpointing=activation_checkpointing)
+    model = script.shard_model(args, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+    tokens = script.global_batch(script.task_rules(64, 0), 1, 8, 16, 0)
+    saved = []  # every tensor autograd keeps for backward, outside recomputed regions
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(tokens[:, :-1]).sum()
+    loss.backward()
+    return sum(saved)
+
+dist.init_process_group("gloo")
+print(json.dumps({{"plain": saved_bytes(False), "checkpointed": saved_bytes(True)}}))
+gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
+dist.destroy_process_group()
+"""
+
+
+def test_activation_checkpointing_saves_less_for_backward(torchrun, tmp_path):
+    """The bytes autograd keeps from forward to backward, counted with saved_tensors_hooks: with
+    every block checkpointed, only the blocks' inputs and the root's activations remain."""
+    program = tmp_path / "saved_for_backward.py"
+    program.write_text(SAVED_FOR_BACKWARD.format(repo=str(REPO)))
+    result = torchrun(program, nproc=1)
+    assert result.returncode == 0, result.output
+    saved = json.loads(result.stdout.splitlines()[-1])
+    print(f"saved for backward: {saved}, ratio {saved['checkpointed'] / saved['plain']:.3f}")
+    assert saved["checkpointed"] < 0.5 * saved["plain"], saved
+
+
+def test_compile_stays_with_eager(fsdp2_run, fsdp2_reference):
+    run = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--compile")
+    assert "Blocks compiled: 3 of 3" in run.stdout
+    assert "Blocks compiled: 0 of 3" in fsdp2_reference.stdout
+    assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-4)
+
+
+def test_every_option_together(fsdp2_run, fsdp2_reference):
+    """Mixed precision, activation checkpointing, compile, explicit prefetching and asynchronous
+    sharded checkpoints in one run: it learns as the fp32 run does, and its checkpoints resume."""
+    options = ["--mixed-precision", "--activation-checkpointing", "--compile",
+               "--explicit-prefetching", "--checkpoint-format", "sharded", "--async-checkpoint"]
+    run = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 10,
+                    *options)
+    assert warning_lines(run.output) == []
+    for line in ("Unsharded parameters are bfloat16", "Blocks compiled: 3 of 3",
+                 "activation checkpointing: every block", "forward ['layers.1', 'layers.2']"):
+        assert line in run.stdout, line
+    assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=2e-2)
+    marker = json.loads((run.cwd / "ckpt" / "step_000020" / "COMPLETE").read_text())
+    assert marker["format"] == "sharded" and marker["step"] == 20
+    assert set(full_state_of(run.cwd / "ckpt" / "step_000020")) == set(
+        full_state_of(fsdp2_reference.cwd / "ckpt" / "step_000020"))
+
+
+@pytest.mark.parametrize("config", [
+    {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4, "seq_len": 16},
+    {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 4, "seq_len": 32},
+])
+def test_flop_estimate_matches_a_count(config):
+    """The FLOPs per token behind TFLOP/s and MFU agree with torch's FLOP counter on one training
+    step; the estimate is a little higher, since it counts biases and norms as matmul weights."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = Transformer(**config)
+    tokens = global_batch(task_rules(config["vocab_size"], 0), 1, 8, config["seq_len"], 0)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    estimated = flops_per_token(model, config["seq_len"]) * tokens[:, :-1].numel()
+    assert 0.85 * estimated < counter.get_total_flops() <= estimated
+
+
+def test_cpu_reports_gflops_and_no_mfu(fsdp2_reference):
+    metrics = fsdp2_reference.metrics
+    expected = metrics["flops_per_token"] * metrics["tokens_per_s"] / metrics["world_size"] / 1e9
+    assert metrics["gflops_per_s"] == pytest.approx(expected)
+    assert metrics["tflops_per_gpu"] is None and metrics["mfu"] is None
+    assert f"{metrics['gflops_per_s']:,.1f} GFLOP/s per process" in fsdp2_reference.stdout
+
+
+@pytest.mark.gpu
+def test_one_gpu_initializes_sharded_and_reports_mfu(torchrun):
+    """On a GPU, parameters are initialized by DTensor's random ops (no full tensor on any rank):
+    the model still learns, and TFLOP/s and (on a GPU of the table) MFU are reported."""
+    result = torchrun(SCRIPT, "--mixed-precision", nproc=1)
+    assert result.returncode == 0, result.output
+    metrics = result.metrics
+    assert metrics["device"] == "cuda" and metrics["train_loss"] < 0.5 * math.log(128)
+    assert metrics["tflops_per_gpu"] > 0
