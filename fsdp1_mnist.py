@@ -221,7 +221,11 @@ def test(model, device, loader, dry_run):
 def save_model(model, path="mnist_cnn.pt"):
     """Gather the full state dict and save it from rank 0: it loads into a plain Net()."""
     # Every rank gathers; with cpu_offload only rank 0 receives the full tensors, on CPU.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
+    # the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every
+    # rank gets them. Remove it once requirements.txt asks for torch >= 2.14.
+    on_gpu = next(model.parameters()).device.type != "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
     state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
     if dist.get_rank() == 0:
         torch.save(state, f"{path}.tmp")
@@ -358,19 +362,21 @@ class Report:
         self.laps.append(time.perf_counter() - self.start - sum(self.laps))
         return self.laps[-1]
 
-    def memory(self, model, optimizer):
+    def memory(self, model, optimizer=None):
         """(train state, peak) bytes, the maximum over ranks: parameters + gradients + optimizer
         state (shards under FSDP, replicas under DDP); CUDA max allocated, or the peak RSS."""
         tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer else ():
             tensors += [value for value in state.values() if torch.is_tensor(value)]
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
         peak = (torch.cuda.max_memory_allocated(self.device) if self.cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
         figures = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), peak],
                                dtype=torch.float64, device=self.device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        return int(figures[0]), int(figures[1])
+        ranks = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, figures)
+        self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
+        return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
     def training_done(self, model, optimizer):
         self.wall_s = time.perf_counter() - self.start
@@ -392,7 +398,7 @@ class Report:
             metrics = {"script": os.path.basename(__file__), "world_size": dist.get_world_size(),
                        "device": self.device.type, "backend": dist.get_backend(), "wall_s":
                        self.wall_s, "train_state_bytes": self.state, "peak_memory_bytes":
-                       self.peak, **metrics}
+                       self.peak, "peak_memory_per_rank": self.peaks, **metrics}
             with open(f"{self.args.metrics_json}.tmp", "w") as f:
                 json.dump(metrics, f, indent=2)
             os.replace(f"{self.args.metrics_json}.tmp", self.args.metrics_json)

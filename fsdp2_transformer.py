@@ -772,19 +772,21 @@ class Report:
         self.laps.append(time.perf_counter() - self.start - sum(self.laps))
         return self.laps[-1]
 
-    def memory(self, model, optimizer):
+    def memory(self, model, optimizer=None):
         """(train state, peak) bytes, the maximum over ranks: parameters + gradients + optimizer
         state (shards under FSDP, replicas under DDP); CUDA max allocated, or the peak RSS."""
         tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer else ():
             tensors += [value for value in state.values() if torch.is_tensor(value)]
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
         peak = (torch.cuda.max_memory_allocated(self.device) if self.cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
         figures = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), peak],
                                dtype=torch.float64, device=self.device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        return int(figures[0]), int(figures[1])
+        ranks = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, figures)
+        self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
+        return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
     def training_done(self, model, optimizer):
         self.wall_s = time.perf_counter() - self.start
@@ -806,7 +808,7 @@ class Report:
             metrics = {"script": os.path.basename(__file__), "world_size": dist.get_world_size(),
                        "device": self.device.type, "backend": dist.get_backend(), "wall_s":
                        self.wall_s, "train_state_bytes": self.state, "peak_memory_bytes":
-                       self.peak, **metrics}
+                       self.peak, "peak_memory_per_rank": self.peaks, **metrics}
             with open(f"{self.args.metrics_json}.tmp", "w") as f:
                 json.dump(metrics, f, indent=2)
             os.replace(f"{self.args.metrics_json}.tmp", self.args.metrics_json)

@@ -33,11 +33,13 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -55,13 +57,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
-from transformers import T5ForConditionalGeneration, T5Tokenizer
+from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Block
 from transformers.utils import logging as hf_logging
 
@@ -69,7 +72,9 @@ from summarization_dataset import wikihow
 
 
 # ----------------------------------------------------------------------------------- model, data
-def load_model_and_tokenizer(name):
+def load_model_and_tokenizer(name, on_meta=False):
+    """The pretrained model in fp32 (FSDP's master weights) and its tokenizer. on_meta: only the
+    model's structure, on the meta device, without loading or allocating any weight."""
     name = os.path.expanduser(name)
     if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith((".", "~"))):
         raise ValueError(f"--model-name {name}: no such directory; pass a directory written by "
@@ -77,7 +82,11 @@ def load_model_and_tokenizer(name):
                          "id such as t5-base")
     try:
         tokenizer = T5Tokenizer.from_pretrained(name)
-        model = T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32)  # fp32 master
+        if on_meta:
+            with torch.device("meta"):
+                model = T5ForConditionalGeneration(T5Config.from_pretrained(name))
+        else:
+            model = T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32)
     except Exception as e:
         where = (f"the directory {name}" if os.path.isdir(name)
                  else f"{name!r} (no such directory; tried the hub)")
@@ -155,6 +164,12 @@ def wrap_model(model, args, device):
     # With a mesh, FSDP1's sharded state dicts hold DTensors, not the deprecated ShardedTensors.
     mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
                             if strategy == ShardingStrategy.HYBRID_SHARD else (world_size,))
+    on_meta = any(p.is_meta for p in model.parameters())  # --cpu-ram-efficient-loading, rank > 0
+    if args.cpu_ram_efficient_loading and device.type == "cpu":
+        # Workaround: FSDP1 (torch 2.14) refuses sync_module_states for CPU tensors, assuming
+        # NCCL, although gloo broadcasts them; skip that one check. Remove it when FSDP1 lets
+        # gloo runs sync CPU modules (tests/test_t5.py's loading tests pass without it).
+        fsdp_init_utils._check_module_states_for_sync_module_states = lambda states: None
     model = FSDP(
         model,  # on CPU; device_id moves it to the device one FSDP unit at a time
         # A unit per T5Block; the shared embedding (encoder, decoder, lm_head) stays in the root.
@@ -167,6 +182,10 @@ def wrap_model(model, args, device):
                            else BackwardPrefetch[args.backward_prefetch]),
         limit_all_gathers=args.limit_all_gathers,
         device_id=device,  # also on CPU: without it FSDP1 looks for an accelerator and refuses
+        # --cpu-ram-efficient-loading: only rank 0 has the weights; the others allocate their
+        # units' memory (param_init_fn) and receive rank 0's values (sync_module_states).
+        sync_module_states=args.cpu_ram_efficient_loading,
+        param_init_fn=materialize_on(device) if on_meta else None,
     )
     if args.activation_checkpointing:
         # Only checkpoint_impl is passed: the tutorial also passed offload_to_cpu=False, which newer
@@ -178,6 +197,31 @@ def wrap_model(model, args, device):
                                            checkpoint_wrapper,
                                            checkpoint_impl=CheckpointImpl.NO_REENTRANT))
     return model
+
+
+def materialize_on(device):
+    """FSDP's param_init_fn for a model built on the meta device: each module's own parameters and
+    buffers get (uninitialized) memory on device. Unlike module.to_empty(), a parameter that two
+    modules share (T5's embedding and lm_head) stays one tensor, so the model stays tied."""
+    # id of a meta tensor -> weak references to it and to its replacement: FSDP frees a unit's
+    # full parameters once it has sharded them, and this memo must not keep them alive.
+    made = {}
+
+    def param_init_fn(module):
+        for kind, tensors in (("parameters", module._parameters), ("buffers", module._buffers)):
+            for name, tensor in tensors.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                refs = made.get(id(tensor))  # the same tensor met in another module: tied
+                replacement = refs[1]() if refs and refs[0]() is tensor else None
+                if replacement is None:
+                    replacement = torch.empty_like(tensor, device=device)
+                    if kind == "parameters":
+                        replacement = nn.Parameter(replacement, tensor.requires_grad)
+                    made[id(tensor)] = (weakref.ref(tensor), weakref.ref(replacement))
+                tensors[name] = replacement
+
+    return param_init_fn
 
 
 def describe_fsdp(model):
@@ -272,7 +316,11 @@ def export_model(model, tokenizer, path):
     FULL_STATE_DICT save (FullStateDictConfig(offload_to_cpu=True, rank0_only=True)) without the
     deprecated FSDP.state_dict_type context: parameters are gathered one FSDP unit at a time and
     only rank 0 keeps them, on CPU."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
+    # the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every
+    # rank gets them. Remove it once requirements.txt asks for torch >= 2.14.
+    on_gpu = next(model.parameters()).device.type != "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
     state = get_model_state_dict(model, options=options)
     if dist.get_rank() != 0:
         return
@@ -370,7 +418,9 @@ def main(args, device):
     # under NO_SHARD (one process) warns at every state_dict that it returns a full state dict.
     warnings.filterwarnings("ignore", message=r".*(_get_pg_default_device|Multiple backends are "
                             r"registered|full_state_dict will be returned)")
-    model, tokenizer = local_rank_zero_first(lambda: load_model_and_tokenizer(args.model_name))
+    on_meta = args.cpu_ram_efficient_loading and rank > 0  # rank 0 alone loads the weights
+    model, tokenizer = local_rank_zero_first(
+        lambda: load_model_and_tokenizer(args.model_name, on_meta))
     train_set, val_set = local_rank_zero_first(lambda: load_data(args, tokenizer))
     rank0_print(f"Size of train dataset: {len(train_set)}, validation dataset: {len(val_set)}")
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
@@ -381,6 +431,10 @@ def main(args, device):
 
     model = wrap_model(model, args, device)
     describe_fsdp(model)
+    loaded = Report(args, device)
+    loaded.memory(model)  # each rank's peak so far: what loading and wrapping the model cost it
+    peaks = ", ".join(f"{peak / 2**20:.1f}" for peak in loaded.peaks)
+    rank0_print(f"Peak memory per rank after loading the model: {peaks} MiB")
     precision = mixed_precision_choice(args.mixed_precision, device)
     optimizer = optim.AdamW(model.parameters(), lr=args.lr)  # after wrapping: sees the shards
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
@@ -429,6 +483,8 @@ def main(args, device):
     report.write(train_loss=state["train_losses"][-1], train_losses=state["train_losses"],
                  val_loss=state["best_val_loss"], val_losses=state["val_losses"],
                  epoch_times=epoch_times, samples_per_s=samples_per_s,
+                 train_batches=len(train_loader), val_batches=len(val_loader),
+                 peak_memory_after_loading_per_rank=loaded.peaks,
                  checkpoint=best and f"{best}-hf", checkpoint_pt=best and f"{best}.pt",
                  mixed_precision=precision, sharding_strategy=model.sharding_strategy.name)
 
@@ -482,6 +538,10 @@ def parse_args():
         help="continue from a sharded checkpoint: a checkpoint-epoch-N directory, or a --save-dir "
              "holding them (the newest complete one); auto: the newest in --save-dir if there is "
              "one, else start afresh (for torchrun --max-restarts)")
+    add("--cpu-ram-efficient-loading", action="store_true",
+        help="only rank 0 loads the pretrained weights; the others build the model on the meta "
+             "device and receive rank 0's weights through FSDP's sync_module_states (accelerate's "
+             "fsdp_cpu_ram_efficient_loading)")
     add("--save-dir", default=".", help="folder for saved models and checkpoints")
     add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
@@ -558,19 +618,21 @@ class Report:
         self.laps.append(time.perf_counter() - self.start - sum(self.laps))
         return self.laps[-1]
 
-    def memory(self, model, optimizer):
+    def memory(self, model, optimizer=None):
         """(train state, peak) bytes, the maximum over ranks: parameters + gradients + optimizer
         state (shards under FSDP, replicas under DDP); CUDA max allocated, or the peak RSS."""
         tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer else ():
             tensors += [value for value in state.values() if torch.is_tensor(value)]
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # DTensors
         peak = (torch.cuda.max_memory_allocated(self.device) if self.cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
         figures = torch.tensor([sum(t.numel() * t.element_size() for t in tensors), peak],
                                dtype=torch.float64, device=self.device)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-        return int(figures[0]), int(figures[1])
+        ranks = [torch.zeros_like(figures) for _ in range(dist.get_world_size())]
+        dist.all_gather(ranks, figures)
+        self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
+        return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
     def training_done(self, model, optimizer):
         self.wall_s = time.perf_counter() - self.start
@@ -592,7 +654,7 @@ class Report:
             metrics = {"script": os.path.basename(__file__), "world_size": dist.get_world_size(),
                        "device": self.device.type, "backend": dist.get_backend(), "wall_s":
                        self.wall_s, "train_state_bytes": self.state, "peak_memory_bytes":
-                       self.peak, **metrics}
+                       self.peak, "peak_memory_per_rank": self.peaks, **metrics}
             with open(f"{self.args.metrics_json}.tmp", "w") as f:
                 json.dump(metrics, f, indent=2)
             os.replace(f"{self.args.metrics_json}.tmp", self.args.metrics_json)

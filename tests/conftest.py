@@ -83,6 +83,12 @@ def tiny_t5_dir(tmp_path_factory):
     return write_tiny_t5(tmp_path_factory.mktemp("tiny_t5"))
 
 
+@pytest.fixture(scope="session")
+def wide_t5_dir(tmp_path_factory):
+    """The same, 322 MB of weights (d_model 1024, 4 layers): big enough to see loading in RSS."""
+    return write_tiny_t5(tmp_path_factory.mktemp("wide_t5"), d_model=1024, num_layers=4)
+
+
 @dataclasses.dataclass
 class Run:
     returncode: int
@@ -167,6 +173,22 @@ def cached_torchrun(tmp_path_factory):
 
 def t5_args(model_dir, data_dir, epochs, *args):
     return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *T5_TINY, *args]
+
+
+@pytest.fixture(scope="session")
+def help_text():
+    """help_text(script): its --help, with argparse's line wrapping undone; one run per script."""
+    texts = {}
+
+    def text(script):
+        if script not in texts:
+            proc = subprocess.run([sys.executable, REPO / script, "--help"], capture_output=True,
+                                  text=True, timeout=60)
+            assert proc.returncode == 0, proc.stderr
+            texts[script] = " ".join(proc.stdout.split())
+        return texts[script]
+
+    return text
 
 
 @pytest.fixture(scope="session")

@@ -114,6 +114,7 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
                 continue
             # freeze the writer, then look again: the rename may have happened
             os.kill(rank0, signal.SIGSTOP)
+            wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
             half_written = sorted(checkpoints.glob("step_*.tmp"))
             complete = sorted(p for p in checkpoints.glob("step_*[0-9]")
                               if (p / "COMPLETE").exists())

@@ -2,8 +2,6 @@
 all four; and the README stays short and names only flags that exist."""
 import ast
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import REPO
@@ -57,13 +55,6 @@ def test_readme_is_short():
     assert len((REPO / "README.md").read_bytes()) <= 15_000
 
 
-def help_text(script):
-    proc = subprocess.run([sys.executable, REPO / script, "--help"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def readme_flags():
     """{script: flags the README names for it}: a flag counts for the scripts named on its line, or
     else for those of its section's heading (all four if it names none); lines about other programs
@@ -89,11 +80,29 @@ TORCHRUN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node-ra
                   "--max-restarts"}
 
 
-def test_every_flag_the_readme_names_is_in_help():
+def test_every_flag_the_readme_names_is_in_help(help_text):
     flags = readme_flags()
     assert set(flags) == set(LESSONS), flags.keys()
     for script, named in flags.items():
-        text = " ".join(help_text(script).split())
+        text = help_text(script)
         missing = sorted(f for f in named - TORCHRUN_FLAGS
                          if f"{f} " not in text and f"{f}," not in text)
         assert missing == [], f"README names {missing} for {script}, which its --help lacks"
+
+
+def test_the_lock_meets_the_floors():
+    """requirements-lock.txt (what CI installs) pins every runtime package of requirements.txt, at
+    versions its floors admit."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (REPO / "requirements-lock.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version.strip()
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            pinned = pins.get(canonicalize_name(requirement.name))
+            assert pinned and requirement.specifier.contains(pinned), (line, pinned)

@@ -2,6 +2,7 @@
 a tiny T5."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -91,15 +92,10 @@ print(json.dumps({"val_loss": val_loss, "same": same,
 """
 
 
-def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
-    """The HF directory loads with from_pretrained, generates text, and gives the logged best
-    validation loss."""
-    run = t5_reference
+def check_export(run, tiny_t5_dir, wikihow_dir):
+    """The run's best model, as .pt and as HF directory: they hold the same weights, the directory
+    loads with from_pretrained and generates text, and it gives the logged validation loss."""
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
-    assert (hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"])
-            and pt_file == hf_dir[: -len("-hf")] + ".pt")
-    assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
-    assert not list(run.cwd.glob("*.tmp"))
     command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH,
                OUTPUT_LENGTH]
     proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
@@ -109,6 +105,67 @@ def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_
     assert result["same"], "the .pt and the HF directory hold different weights"
     assert all(summary.strip() for summary in result["summaries"]), result["summaries"]
     assert result["val_loss"] == pytest.approx(run.metrics["val_loss"], abs=1e-3)
+
+
+def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
+    """The HF directory loads with from_pretrained, generates text, and gives the logged best
+    validation loss."""
+    run = t5_reference
+    hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
+    assert (hf_dir.endswith("-3-%.4f-hf" % run.metrics["val_loss"])
+            and pt_file == hf_dir[: -len("-hf")] + ".pt")
+    assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
+    assert not list(run.cwd.glob("*.tmp"))
+    check_export(run, tiny_t5_dir, wikihow_dir)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_cpu_ram_efficient_loading_trains_the_same(t5_reference, t5_run, tiny_t5_dir, wikihow_dir,
+                                                   strategy):
+    """Only rank 0 loads the weights; rank 1 builds the model on the meta device and receives them
+    through sync_module_states. The same epoch losses as when every rank loads them, and the
+    shared embedding stays tied: the exported model gives the logged validation loss. (The
+    SHARD_GRAD_OP run also validates in batches of 3: the validation loss does not change.)"""
+    options = ["--cpu-ram-efficient-loading", "--sharding-strategy", strategy,
+               "--mixed-precision", "fp32"]
+    if strategy == "SHARD_GRAD_OP":
+        options += ["--test-batch-size", 3, "--no-save-model"]
+    run = t5_run(*options)
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(t5_reference.metrics[key][:2], rel=1e-6)
+    if strategy == "FULL_SHARD":
+        check_export(run, tiny_t5_dir, wikihow_dir)
+    else:  # 31 examples over 2 ranks: 16 each, in 6 batches of 3 instead of 4 of 4
+        assert (run.metrics["val_batches"], t5_reference.metrics["val_batches"]) == (6, 4)
+
+
+def test_cpu_ram_efficient_loading_lowers_the_memory_of_other_ranks(cached_torchrun, wide_t5_dir,
+                                                                    wikihow_dir):
+    """With a 322 MB model, rank 1's peak memory once the model is loaded and wrapped is lower when
+    only rank 0 loads the weights; rank 0 loads them either way."""
+    args = ["--model-name", wide_t5_dir, "--data-dir", wikihow_dir, "--input-length", 32,
+            "--output-length", 16, "--num-train-samples", 8, "--num-val-samples", 4, "--epochs", 1,
+            "--batch-size", 2, "--no-save-model", "--no-run-validation"]
+    peaks = {}
+    for options in ([], ["--cpu-ram-efficient-loading"]):
+        run = cached_torchrun(SCRIPT, *args, *options)
+        assert run.returncode == 0, run.output
+        peaks[bool(options)] = run.metrics["peak_memory_after_loading_per_rank"]
+    model_bytes = (wide_t5_dir / "model.safetensors").stat().st_size
+    print(f"peak memory after loading per rank (MiB), every rank loads: "
+          f"{[p / 2**20 for p in peaks[False]]}; rank 0 only: {[p / 2**20 for p in peaks[True]]}")
+    assert peaks[True][1] < peaks[False][1] - 0.4 * model_bytes, (peaks, model_bytes)
+
+
+def test_seed_and_batch_sizes_take_effect(t5_reference, t5_run):
+    """Another --seed gives other losses (the same seed the same: the spawn test); --batch-size 2
+    makes twice the steps of the default 4, which the progress bar and the metrics report."""
+    reference = t5_reference.metrics
+    seed_2 = t5_run("--seed", 2, "--no-save-model", epochs=1).metrics
+    assert seed_2["train_losses"][0] != pytest.approx(reference["train_losses"][0], rel=1e-4)
+    batch_2 = t5_run("--batch-size", 2, "--no-save-model", epochs=1)
+    assert (batch_2.metrics["train_batches"], reference["train_batches"]) == (32, 16)
+    assert re.search(r"r0 Training Epoch 1: .*?\| \d+/32 \[", batch_2.stderr), batch_2.stderr
 
 
 # What FSDP built, as the script reads it from the wrapped model: the reference run's defaults, and
@@ -227,21 +284,18 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
 
 
-def test_help_explains_every_flag():
+def test_help_explains_every_flag(help_text):
     flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr",
              "--gamma", "--seed", "--num-train-samples", "--num-val-samples", "--input-length",
              "--output-length", "--sharding-strategy", "--backward-prefetch", "--mixed-precision",
              "--activation-checkpointing", "--limit-all-gathers", "--track-memory",
              "--no-track-memory", "--run-validation", "--no-run-validation", "--save-model",
              "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
-             "--world-size", "--dist-timeout", "--metrics-json"]
-    proc = subprocess.run([sys.executable, REPO / SCRIPT, "--help"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    help_text = " ".join(proc.stdout.split())  # argparse wraps lines anywhere
-    assert [f for f in flags if f not in help_text] == []
-    assert ("(default: t5-base)" in help_text and "(default: 1500)" in help_text
-            and "(default: 0.002)" in help_text)
+             "--world-size", "--dist-timeout", "--metrics-json", "--cpu-ram-efficient-loading"]
+    text = help_text(SCRIPT)
+    assert [f for f in flags if f not in text] == []
+    assert ("(default: t5-base)" in text and "(default: 1500)" in text
+            and "(default: 0.002)" in text)
 
 
 # The dataset, in this process.

@@ -9,7 +9,14 @@ import sys
 
 import pytest
 import torch
-from conftest import FSDP2_REFERENCE, FSDP2_TINY, MNIST_TINY, REPO, copy_fsdp2_checkpoint
+from conftest import (
+    FSDP2_REFERENCE,
+    FSDP2_TINY,
+    MNIST_TINY,
+    REPO,
+    copy_fsdp2_checkpoint,
+    t5_args,
+)
 
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
 
@@ -91,3 +98,14 @@ def test_fsdp2_hsdp_on_two_nodes_matches_one_process(tmp_path, cached_torchrun, 
     expected = torch.load(fsdp2_reference.cwd / "ckpt" / "step_000020" / "model.pt",
                           weights_only=True)
     assert all(torch.allclose(final[k], expected[k], rtol=1e-4, atol=1e-6) for k in expected)
+
+
+def test_t5_hybrid_shard_on_two_nodes_matches_one_node(tmp_path, t5_reference, tiny_t5_dir,
+                                                       wikihow_dir):
+    """t5_fsdp_finetune.py HYBRID_SHARD on 2 nodes of 1 process: NO_SHARD over all ranks (see
+    fsdp1_mnist.py's test), and the epoch losses of one node's FULL_SHARD run."""
+    metrics = run_two_nodes(tmp_path, "t5_fsdp_finetune.py", *t5_args(tiny_t5_dir, wikihow_dir, 2),
+                            *HYBRID, "--mixed-precision", "fp32", "--no-save-model")
+    assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == "NO_SHARD"
+    for key in ("train_losses", "val_losses"):
+        assert metrics[key] == pytest.approx(t5_reference.metrics[key][:2], rel=1e-4)

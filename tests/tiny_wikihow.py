@@ -122,16 +122,18 @@ def train_vocab(lines, vocab_size):
             for i in range(processor.get_piece_size())]
 
 
-def write_tiny_t5(path, vocab_size=320, seed=0):
-    """save_pretrained a small random T5 and its tokenizer into path; return path."""
+def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2):
+    """save_pretrained a small random T5 and its tokenizer into path; return path. (The defaults:
+    200 KB of weights; d_model 1024 and 4 layers: 322 MB, enough to show in a process's memory.)"""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
 
     lines = [line for title, headline, text in articles()
              for line in (title, *headline.split("\n"), text) if line]
     tokenizer = T5Tokenizer(vocab=train_vocab(lines, vocab_size), extra_ids=0)
-    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                      num_heads=2, relative_attention_num_buckets=8,
+    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2,
+                      d_ff=2 * d_model, num_layers=num_layers, num_heads=2,
+                      relative_attention_num_buckets=8,
                       relative_attention_max_distance=32, dropout_rate=0.1,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       decoder_start_token_id=tokenizer.pad_token_id)
