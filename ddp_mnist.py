@@ -16,6 +16,7 @@ same in all four scripts and not part of the lesson.
 """
 import argparse
 import datetime
+import fcntl
 import gc
 import json
 import math
@@ -35,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
@@ -76,7 +78,7 @@ def load_mnist(data_dir):
         made = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir)
                 if not os.path.exists(d)]
         try:  # torchvision downloads only missing files
-            return [datasets.MNIST(data_dir, train=train, download=True, transform=normalize)
+            sets = [datasets.MNIST(data_dir, train=train, download=True, transform=normalize)
                     for train in (True, False)]
         except Exception as e:
             if missing:  # a failed download leaves no empty folders behind
@@ -91,8 +93,25 @@ def load_mnist(data_dir):
             raise ValueError(f"cannot read MNIST from {raw_dir} ("  # torchvision names no file
                              f"{next(filter(None, problems), None) or repr(e)}); delete that "
                              "folder to download it again.")
+        problem = next(filter(None, map(mnist_problem, sets)), None)
+        if problem:  # the files' headers were fine, but they disagree with each other
+            raise ValueError(f"cannot use MNIST from {raw_dir} ({problem}); delete that folder to "
+                             "download it again.")
+        return sets
 
     return local_rank_zero_first(load)
+
+
+def mnist_problem(dataset):
+    """Why a loaded MNIST split cannot be trained on (image and label counts, sizes, labels)."""
+    images, labels, split = dataset.data, dataset.targets, "train" if dataset.train else "t10k"
+    if len(images) != len(labels):
+        return f"{split} has {len(images)} images but {len(labels)} labels"
+    if tuple(images.shape[1:]) != (28, 28):
+        return f"{split}'s images are {'x'.join(map(str, images.shape[1:]))} pixels, not 28x28"
+    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) <= 9:
+        return f"{split} has labels outside 0-9 (from {int(labels.min())} to {int(labels.max())})"
+    return None
 
 
 def local_rank_zero_first(load):
@@ -135,10 +154,11 @@ def train(model, device, loader, optimizer, epoch, dry_run):
     model.train()
     loader.sampler.set_epoch(epoch)
     totals = torch.zeros(2, device=device)  # summed loss, samples
-    for data, target in loader:
+    for batch, (data, target) in enumerate(loader, 1):
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         loss = F.nll_loss(model(data), target, reduction="sum")
+        stop_if_diverged(f"the loss of epoch {epoch}, batch {batch}", [loss], DIVERGED)
         loss.backward()
         optimizer.step()
         totals += torch.stack([loss.detach(), torch.tensor(len(data), device=device)])
@@ -177,6 +197,7 @@ def test(model, device, loader, dry_run):
 # ------------------------------------------------------------------------------------ checkpoint
 def save_model(model, path="mnist_cnn.pt"):
     """Save the state dict from rank 0: it loads into a plain Net()."""
+    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
     # The same call as under FSDP; here it drops DDP's "module." prefix and copies to the CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
@@ -190,7 +211,7 @@ def save_model(model, path="mnist_cnn.pt"):
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
     torch.manual_seed(args.seed)
-    check_outputs(args, {"--save-model (./mnist_cnn.pt)": args.save_model and os.getcwd()})
+    check_outputs(args, {}, {"--save-model": args.save_model and "mnist_cnn.pt"})
     train_set, test_set = load_mnist(args.data_dir)
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
@@ -213,6 +234,11 @@ def main(args, device):
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint)
 
 
+# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
+MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
+DIVERGED = "try a smaller --lr"
+
+
 def parse_args():
     parser = RankZeroArgumentParser(
         description="PyTorch MNIST example with DDP (DistributedDataParallel)",
@@ -221,11 +247,14 @@ def parse_args():
     add("--batch-size", type=positive(int), default=64, metavar="N", help="batch per process")
     add("--test-batch-size", type=positive(int), default=1000, metavar="N", help="test batch")
     add("--epochs", type=positive(int), default=10, metavar="N", help="number of epochs to train")
-    add("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
-    add("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma per epoch")
+    add("--lr", type=positive(float, most=1e30), default=1.0, metavar="LR",
+        help="Adadelta learning rate, at most 1e30 (much larger ones overflow float32)")
+    add("--gamma", type=positive(float, zero=True, most=1), default=0.7, metavar="M",
+        help="learning rate step gamma per epoch")
     add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--dry-run", action="store_true", help="one training and one test batch per epoch")
-    add("--seed", type=int, default=1, metavar="S", help="random seed (init, dropout, shuffling)")
+    add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=1, metavar="S",
+        help="random seed (init, dropout, shuffling)")
     add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
     add("--data-dir", default="../data", help="folder of MNIST/raw; downloaded there if missing")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
@@ -239,7 +268,8 @@ def parse_args():
 # ==================================================================================================
 # Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
-# checks, time and memory figures, the metrics file, process-group set-up, launching.
+# checks and locks, time and memory figures, the metrics file, process-group set-up, launching.
+# It calls the script's main(args, device) and parse_args(), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -248,11 +278,13 @@ def rank0_print(*args, **kwargs):
 
 
 def fail(message, node_local=False):
-    """Exit 1 on this rank; rank 0 (node_local: each node's local rank 0) says why in one line."""
-    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:  # torchrun stops all workers once one has failed: give rank 0 the time to say why
+    """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
+    it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
+    too (torchrun stops all workers once one has failed), but does when the problem is its own."""
+    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
+        message = f"rank {os.environ['RANK']}: {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -264,13 +296,17 @@ def agree_on_error(error):
         fail(next(e for e in errors if e))
 
 
-def check_outputs(args, outputs):
-    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and beside
-    --metrics-json: a bad path then fails the run in seconds, not at the first save."""
-    outputs["--metrics-json"] = args.metrics_json and os.path.dirname(os.path.abspath(
-        args.metrics_json))
+def check_outputs(args, folders, files=None):
+    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and write
+    each {flag: file} and --metrics-json: a bad path then fails in seconds, not at the first save.
+    """
+    files = {**(files or {}), "--metrics-json": args.metrics_json}
     error = None
-    for flag, folder in outputs.items() if dist.get_rank() == 0 else ():
+    for flag, path in files.items():
+        if path and os.path.isdir(path):
+            error = f"{flag}: {path} is a folder; pass a file's path"
+        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+    for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:
                 os.makedirs(folder, exist_ok=True)
@@ -279,6 +315,38 @@ def check_outputs(args, outputs):
             problem = "is a file" if os.path.isfile(folder) else f"is not writable ({e.strerror})"
             error = f"{flag}: {folder} {problem}, so nothing can be written into it; pass another"
     agree_on_error(error)
+
+
+def lock_folder(flag, folder):
+    """Rank 0 holds an exclusive lock on the folder until its process ends, so that a second job
+    (a double launch, a requeue) cannot write into the same folder; the kernel releases the lock
+    of a job that died, so a crash never leaves it stuck. It writes no file."""
+    error = None
+    if dist.get_rank() == 0:
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            HELD_LOCKS.append(descriptor)  # the lock lasts as long as the descriptor is open
+        except OSError:
+            os.close(descriptor)
+            error = (f"{flag} {folder} is in use by another job, which holds its lock; wait for it "
+                     f"to end, or pass another {flag}")
+    agree_on_error(error)
+
+
+HELD_LOCKS = []
+
+
+def stop_if_diverged(where, tensors, advice):
+    """Fail on every rank, in one line, if any of the tensors (a loss, or a model's parameters) is
+    NaN or infinite on any rank: a diverged run must not go on, nor save what it has become."""
+    bad = torch.zeros((), device=tensors[0].device)
+    for tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors
+        bad += (~torch.isfinite(tensor.detach())).any()
+    dist.all_reduce(bad)
+    if bad:
+        fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
 
 
 class Report:
@@ -356,6 +424,7 @@ def init_process_group(backend, timeout):
                             timeout=timeout)
 
 
+@record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
     """main(args, device) in this process's process group; a lost peer ends it in one line."""
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -369,7 +438,12 @@ def run_worker(args, use_cuda):
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))
         main(args, device)  # its model and optimizer are garbage once it returns
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        fail(f"out of memory ({' '.join(str(e).split()).split('. ')[0]}): {MEMORY_ADVICE}")
     except RuntimeError as e:
+        reason = re.search(r"can't allocate memory[^.]*", str(e))  # a failed CPU allocation
+        if reason:
+            fail(f"out of memory ({reason[0]}): {MEMORY_ADVICE}")
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
@@ -425,13 +499,21 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
-def positive(kind):
-    """An argparse type: a number of that kind (int or float) above 0, so neither 0 nor NaN."""
+def positive(kind, zero=False, most=math.inf):
+    """An argparse type: a finite number of that kind (int or float), above 0 (with zero: 0 or
+    more) and at most `most`; so never NaN."""
     def parse(text):
-        if not kind(text) > 0:
-            noun = "integer" if kind is int else "number"
-            raise argparse.ArgumentTypeError(f"must be a positive {noun}, got {text}")
-        return kind(text)
+        value = kind(text)
+        if not ((value >= 0 if zero else value > 0) and math.isfinite(value) and value <= most):
+            rule = "a positive integer" if kind is int else "a positive number"
+            if zero:
+                rule = "an integer" if kind is int else "a number"
+                rule += " from 0" if most < math.inf else " of 0 or more"
+            if most < math.inf:
+                shown = f"{most:,}" if kind is int else f"{most:g}"
+                rule += f" to {shown}" if zero else f" of at most {shown}"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
 

@@ -18,7 +18,9 @@ size trains on the same data. The "Plumbing" section at the end is the same in a
 """
 import argparse
 import datetime
+import fcntl
 import gc
+import glob
 import json
 import math
 import os
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
@@ -307,6 +310,7 @@ class Checkpointer:
 
     def save(self, model, optimizer, step):
         self.finish()  # one save at a time
+        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
         path = os.path.abspath(os.path.join(self.args.checkpoint_dir, f"step_{step:06d}"))
         if self.args.checkpoint_format == "full":
             model_state, optim_state = gather_full_state(model, optimizer, self.args.dcp_api)
@@ -502,6 +506,10 @@ def read_checkpoint(path, model, args):
                 f"cannot read checkpoint file {os.path.join(path, name)} ({reason}); delete "
                 f"{path} to resume from the checkpoint before it, or pass --no-resume")
     marker, states = loaded[0], (loaded[1:] or [None, None])
+    if marker.get("step") != int(os.path.basename(path)[5:]):  # edited, or copied as another
+        return None, (None, None), (
+            f"checkpoint {path}: its {MARKER_FILE} marker says step {marker.get('step')!r}, not "
+            "its folder's; delete it to resume from the checkpoint before it, or pass --no-resume")
     if marker.get("model") != model_config(args):
         flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (config or {}).items())
                  for config in (marker.get("model"), model_config(args))]
@@ -510,7 +518,7 @@ def read_checkpoint(path, model, args):
             f"({flags[1]}); pass its sizes, another --checkpoint-dir or --no-resume")
     shapes = {name: p.shape for name, p in model.named_parameters()}
     try:
-        fits = isinstance(marker["step"], int) and marker["step"] > 0
+        fits = marker["step"] > 0
         model_state, optim_state = states
         if model_state is not None:  # a full checkpoint: its tensors must fit the model
             fits = fits and {k: v.shape for k, v in model_state.items()} == shapes
@@ -536,6 +544,8 @@ class StepLog:
         self.seconds, self.last_line = [], 0  # step times; steps when the last line was printed
 
     def step(self, step, loss, grad_norm, seconds):
+        if not math.isfinite(loss):  # the same on every rank: it is reduced
+            fail(f"training diverged: the loss of step {step} is {loss}; {DIVERGED}")
         self.losses.append(loss)
         self.grad_norms.append(grad_norm)
         self.seconds.append(seconds)
@@ -580,6 +590,24 @@ def utilization(model, args, tokens_per_s, device):
     return figures
 
 
+def start_afresh(args):
+    """--no-resume starts from step 0 in a --checkpoint-dir that must then hold no checkpoint:
+    an older run's later checkpoints would be resumed instead of this run's. --overwrite deletes
+    them first (the Hugging Face convention: refuse a non-empty folder unless told to)."""
+    old = sorted(glob.glob(os.path.join(args.checkpoint_dir, "step_*")))
+    if not args.no_resume or not old:
+        return
+    if not args.overwrite:
+        fail(f"--no-resume: --checkpoint-dir {args.checkpoint_dir} holds checkpoints of an earlier "
+             f"run ({os.path.basename(old[-1])}...), which a later resume would mix with this "
+             "run's; add --overwrite to delete them, or pass another --checkpoint-dir")
+    dist.barrier()  # everyone has seen them before rank 0 deletes them
+    if dist.get_rank() == 0:
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
+
+
 def check_args(args, device, world_size):
     """Stop with one line when the flags cannot work together here."""
     if args.cpu_offload and device.type != "cuda":
@@ -614,6 +642,9 @@ def main(args, device):
     check_args(args, device, world_size)
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
     check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
+    if args.checkpoint_dir:
+        lock_folder("--checkpoint-dir", args.checkpoint_dir)
+        start_afresh(args)
 
     # HSDP with --replicate-degree R: R replicas, each sharded over world size / R ranks.
     if args.replicate_degree > 1:
@@ -657,6 +688,12 @@ def main(args, device):
                  **figures)
 
 
+# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
+DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
+MEMORY_ADVICE = ("use a smaller --batch-size (or more --grad-accum-steps), --seq-len, --dim, "
+                 "--n-layers or --vocab-size, or --activation-checkpointing")
+
+
 def parse_args():
     parser = RankZeroArgumentParser(
         description="FSDP2 (fully_shard) training of a small causal Transformer",
@@ -669,15 +706,18 @@ def parse_args():
     add("--seq-len", type=positive(int), default=32, metavar="N", help="tokens per sequence")
     add("--batch-size", type=positive(int), default=32, metavar="N", help="global batch")
     add("--steps", type=positive(int), default=200, metavar="N", help="optimizer steps to train to")
-    add("--lr", type=float, default=3e-3, metavar="LR", help="AdamW learning rate")
-    add("--seed", type=int, default=0, metavar="S", help="random seed (model init and the data)")
+    add("--lr", type=positive(float, most=1e30), default=3e-3, metavar="LR",
+        help="AdamW learning rate, at most 1e30 (much larger ones overflow float32)")
+    add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=0, metavar="S",
+        help="random seed (model init and the data)")
     add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--explicit-prefetching", action="store_true", help="each block all-gathers the next "
         "--prefetch-depth ones in forward and backward; each step starts the root's all-gather")
     add("--prefetch-depth", type=positive(int), default=2, metavar="N", help="blocks to prefetch")
     add("--mixed-precision", action="store_true", help="compute in bfloat16, reduce gradients in "
         "float32 (the sharded parameters and optimizer state stay float32)")
-    add("--max-norm", type=float, default=1.0, metavar="X", help="clip gradients (0: do not)")
+    add("--max-norm", type=positive(float, zero=True), default=1.0, metavar="X",
+        help="clip gradients (0: do not)")
     add("--no-reshard-after-forward", action="store_true",
         help="keep parameters gathered from forward to backward (FSDP1's SHARD_GRAD_OP, ZeRO-2)")
     add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
@@ -701,7 +741,10 @@ def parse_args():
     add("--checkpoint-dir", metavar="DIR", help="save to DIR/step_N, resume from the newest there")
     add("--save-every", type=positive(int), default=50, metavar="N", help="save every N steps "
         "and at the last")
-    add("--no-resume", action="store_true", help="start at step 0 whatever --checkpoint-dir has")
+    add("--no-resume", action="store_true", help="start at step 0 in a --checkpoint-dir that holds "
+        "no checkpoint (or with --overwrite)")
+    add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
+        "already in --checkpoint-dir")
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
         "torchrun (None: one per GPU, or 2 on CPU)")
@@ -714,7 +757,8 @@ def parse_args():
 # ==================================================================================================
 # Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
-# checks, time and memory figures, the metrics file, process-group set-up, launching.
+# checks and locks, time and memory figures, the metrics file, process-group set-up, launching.
+# It calls the script's main(args, device) and parse_args(), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -723,11 +767,13 @@ def rank0_print(*args, **kwargs):
 
 
 def fail(message, node_local=False):
-    """Exit 1 on this rank; rank 0 (node_local: each node's local rank 0) says why in one line."""
-    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:  # torchrun stops all workers once one has failed: give rank 0 the time to say why
+    """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
+    it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
+    too (torchrun stops all workers once one has failed), but does when the problem is its own."""
+    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
+        message = f"rank {os.environ['RANK']}: {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -739,13 +785,17 @@ def agree_on_error(error):
         fail(next(e for e in errors if e))
 
 
-def check_outputs(args, outputs):
-    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and beside
-    --metrics-json: a bad path then fails the run in seconds, not at the first save."""
-    outputs["--metrics-json"] = args.metrics_json and os.path.dirname(os.path.abspath(
-        args.metrics_json))
+def check_outputs(args, folders, files=None):
+    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and write
+    each {flag: file} and --metrics-json: a bad path then fails in seconds, not at the first save.
+    """
+    files = {**(files or {}), "--metrics-json": args.metrics_json}
     error = None
-    for flag, folder in outputs.items() if dist.get_rank() == 0 else ():
+    for flag, path in files.items():
+        if path and os.path.isdir(path):
+            error = f"{flag}: {path} is a folder; pass a file's path"
+        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+    for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:
                 os.makedirs(folder, exist_ok=True)
@@ -754,6 +804,38 @@ def check_outputs(args, outputs):
             problem = "is a file" if os.path.isfile(folder) else f"is not writable ({e.strerror})"
             error = f"{flag}: {folder} {problem}, so nothing can be written into it; pass another"
     agree_on_error(error)
+
+
+def lock_folder(flag, folder):
+    """Rank 0 holds an exclusive lock on the folder until its process ends, so that a second job
+    (a double launch, a requeue) cannot write into the same folder; the kernel releases the lock
+    of a job that died, so a crash never leaves it stuck. It writes no file."""
+    error = None
+    if dist.get_rank() == 0:
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            HELD_LOCKS.append(descriptor)  # the lock lasts as long as the descriptor is open
+        except OSError:
+            os.close(descriptor)
+            error = (f"{flag} {folder} is in use by another job, which holds its lock; wait for it "
+                     f"to end, or pass another {flag}")
+    agree_on_error(error)
+
+
+HELD_LOCKS = []
+
+
+def stop_if_diverged(where, tensors, advice):
+    """Fail on every rank, in one line, if any of the tensors (a loss, or a model's parameters) is
+    NaN or infinite on any rank: a diverged run must not go on, nor save what it has become."""
+    bad = torch.zeros((), device=tensors[0].device)
+    for tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors
+        bad += (~torch.isfinite(tensor.detach())).any()
+    dist.all_reduce(bad)
+    if bad:
+        fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
 
 
 class Report:
@@ -831,6 +913,7 @@ def init_process_group(backend, timeout):
                             timeout=timeout)
 
 
+@record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
     """main(args, device) in this process's process group; a lost peer ends it in one line."""
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -844,7 +927,12 @@ def run_worker(args, use_cuda):
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))
         main(args, device)  # its model and optimizer are garbage once it returns
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        fail(f"out of memory ({' '.join(str(e).split()).split('. ')[0]}): {MEMORY_ADVICE}")
     except RuntimeError as e:
+        reason = re.search(r"can't allocate memory[^.]*", str(e))  # a failed CPU allocation
+        if reason:
+            fail(f"out of memory ({reason[0]}): {MEMORY_ADVICE}")
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
@@ -900,13 +988,21 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
-def positive(kind):
-    """An argparse type: a number of that kind (int or float) above 0, so neither 0 nor NaN."""
+def positive(kind, zero=False, most=math.inf):
+    """An argparse type: a finite number of that kind (int or float), above 0 (with zero: 0 or
+    more) and at most `most`; so never NaN."""
     def parse(text):
-        if not kind(text) > 0:
-            noun = "integer" if kind is int else "number"
-            raise argparse.ArgumentTypeError(f"must be a positive {noun}, got {text}")
-        return kind(text)
+        value = kind(text)
+        if not ((value >= 0 if zero else value > 0) and math.isfinite(value) and value <= most):
+            rule = "a positive integer" if kind is int else "a positive number"
+            if zero:
+                rule = "an integer" if kind is int else "a number"
+                rule += " from 0" if most < math.inf else " of 0 or more"
+            if most < math.inf:
+                shown = f"{most:,}" if kind is int else f"{most:g}"
+                rule += f" to {shown}" if zero else f" of at most {shown}"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
 

@@ -63,14 +63,17 @@ def read_articles(data_dir, split, num_samples=None):
         raise WikiHowError(f"{path} not found: {DOWNLOAD_HELP}")
     try:
         with open(path, newline="", encoding="utf-8") as f:
-            header = next(csv.reader(f), [])
-    except (OSError, UnicodeDecodeError) as e:
+            rows = csv.reader(f)
+            header, first_row = next(rows, []), next(rows, None)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise WikiHowError(f"cannot read {path} ({e}); download it again") from None
     missing = [c for c in COLUMNS if c not in header]
     if missing:
         raise WikiHowError(f"{path} lacks the column(s) {', '.join(missing)} (its header is "
                            f"{','.join(header)!r}); wikihowAll.csv needs {', '.join(COLUMNS)}: "
                            f"{DOWNLOAD_HELP}")
+    if first_row is None:
+        raise WikiHowError(f"{path} has its header but no article: {DOWNLOAD_HELP}")
 
     present = [name for name in SPLIT_FILES.values()
                if os.path.isfile(os.path.join(data_dir, name))]

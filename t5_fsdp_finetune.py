@@ -20,10 +20,12 @@ section at the end is the same in all four scripts and not part of the lesson.
 """
 import argparse
 import datetime
+import fcntl
 import functools
 import gc
 import glob
 import json
+import math
 import os
 import re
 import resource
@@ -55,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
@@ -64,7 +67,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
-from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+from transformers import AutoConfig, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Block
 from transformers.utils import logging as hf_logging
 
@@ -81,10 +84,19 @@ def load_model_and_tokenizer(name, on_meta=False):
                          "save_pretrained (config.json, model weights, tokenizer files) or a hub "
                          "id such as t5-base")
     try:
+        config = AutoConfig.from_pretrained(name)
+        if config.model_type != "t5":
+            raise ValueError(f"it holds a {config.model_type} model, not T5")
         tokenizer = T5Tokenizer.from_pretrained(name)
+        # Without its tokenizer files, T5Tokenizer quietly builds an almost empty vocabulary that
+        # maps every word to <unk>: a model then learns nothing, with losses that look fine.
+        if not 0.9 * config.vocab_size <= len(tokenizer) <= config.vocab_size:
+            raise ValueError(f"its tokenizer has {len(tokenizer)} tokens for a model of "
+                             f"{config.vocab_size} embeddings: tokenizer files are missing or "
+                             "belong to another model")
         if on_meta:
             with torch.device("meta"):
-                model = T5ForConditionalGeneration(T5Config.from_pretrained(name))
+                model = T5ForConditionalGeneration(config)
         else:
             model = T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32)
     except Exception as e:
@@ -97,11 +109,15 @@ def load_model_and_tokenizer(name, on_meta=False):
 
 
 def load_data(args, tokenizer):
-    """The train and validation sets; a WikiHowError (a ValueError) says what is wrong."""
-    return [wikihow(tokenizer, split, samples, args.input_length, args.output_length,
-                    data_dir=args.data_dir)
-            for split, samples in (("train", args.num_train_samples),
-                                   ("validation", args.num_val_samples))]
+    """The train and validation sets (no validation set with --no-run-validation); a WikiHowError
+    (a ValueError) says what is wrong with the data."""
+    options = {"input_length": args.input_length, "output_length": args.output_length,
+               "data_dir": args.data_dir}
+    train_set = wikihow(tokenizer, "train", args.num_train_samples, **options)
+    val_set = None
+    if args.run_validation:
+        val_set = wikihow(tokenizer, "validation", args.num_val_samples, **options)
+    return train_set, val_set
 
 
 def one_line(error):
@@ -268,11 +284,12 @@ def train(model, loader, optimizer, scaler, epoch, device):
     model.train()
     loader.sampler.set_epoch(epoch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed example losses, examples
-    for batch in tqdm(loader, desc=f"r0 Training Epoch {epoch}", colour="blue", leave=False,
-                      disable=dist.get_rank() != 0):
+    for step, batch in enumerate(tqdm(loader, desc=f"r0 Training Epoch {epoch}", colour="blue",
+                                      leave=False, disable=dist.get_rank() != 0), 1):
         batch = {k: v.to(device) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)
         losses = per_example_loss(forward(model, batch), batch["target_ids"])
+        stop_if_diverged(f"the loss of epoch {epoch}, step {step}", [losses], DIVERGED)
         if scaler:  # fp16: scale the loss so that small gradients do not underflow
             scaler.scale(losses.mean()).backward()
             scaler.step(optimizer)
@@ -302,6 +319,8 @@ def validation(model, loader, device):
             seen += len(losses)
             totals += torch.stack([losses[real].sum(), real.sum()])
     dist.all_reduce(totals)
+    if not torch.isfinite(totals[0]):  # the same on every rank: it is reduced
+        fail(f"training diverged: the validation loss is {totals[0].item()}; {DIVERGED}")
     rank0_print(f"Validation Loss: {totals[0] / totals[1]:.4f}")
     return (totals[0] / totals[1]).item()
 
@@ -316,6 +335,7 @@ def export_model(model, tokenizer, path):
     FULL_STATE_DICT save (FullStateDictConfig(offload_to_cpu=True, rank0_only=True)) without the
     deprecated FSDP.state_dict_type context: parameters are gathered one FSDP unit at a time and
     only rank 0 keeps them, on CPU."""
+    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never export it
     # Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
     # the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every
     # rank gets them. Remove it once requirements.txt asks for torch >= 2.14.
@@ -342,6 +362,7 @@ def export_model(model, tokenizer, path):
 def save_sharded_checkpoint(model, optimizer, trainer_state, path):
     """Every rank writes its shards of the model and optimizer state with DCP into path.tmp; rank 0
     adds trainer_state.json and renames path.tmp to path: a checkpoint is always complete."""
+    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
     if dist.get_rank() == 0:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)
     dist.barrier()
@@ -368,6 +389,25 @@ def find_checkpoint(path):
     return epochs[max(epochs)] if epochs else None
 
 
+def start_afresh(args):
+    """Without --resume, --save-dir must hold no sharded checkpoint: a later --resume auto would
+    take an older run's later epochs for this run's. --overwrite deletes them first (the Hugging
+    Face convention: refuse a non-empty folder unless told to)."""
+    old = sorted(glob.glob(os.path.join(args.save_dir, "checkpoint-epoch-*")))
+    if args.resume or not old:
+        return
+    if not args.overwrite:
+        fail(f"--save-dir {args.save_dir} holds sharded checkpoints of an earlier run "
+             f"({os.path.basename(old[-1])}...), which a later --resume would mix with this run's; "
+             "add --resume auto to continue it, --overwrite to delete them, or pass another "
+             "--save-dir")
+    dist.barrier()  # everyone has seen them before rank 0 deletes them
+    if dist.get_rank() == 0:
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
+
+
 def resume(model, optimizer, scheduler, scaler, args):
     """The trainer state of the sharded checkpoint --resume names, loaded into model, optimizer,
     scheduler and grad scaler (at any world size); None to start afresh."""
@@ -389,6 +429,11 @@ def resume(model, optimizer, scheduler, scaler, args):
     try:
         with open(os.path.join(checkpoint, TRAINER_STATE)) as f:
             state = json.load(f)
+        folder = re.fullmatch(r"checkpoint-epoch-(\d+)", os.path.basename(checkpoint))
+        if not (isinstance(state.get("epoch"), int) and state["epoch"] >= 1) or (
+                folder and int(folder.group(1)) != state["epoch"]):
+            raise ValueError(f"its {TRAINER_STATE} says epoch {state.get('epoch')!r}, not its "
+                             "folder's")
         model_state, optim_state = get_state_dict(model, optimizer)
         loaded = {"model": model_state, "optimizer": optim_state}
         dcp.load(loaded, checkpoint_id=checkpoint)  # DCP raises on every rank if any rank fails
@@ -422,12 +467,13 @@ def main(args, device):
     model, tokenizer = local_rank_zero_first(
         lambda: load_model_and_tokenizer(args.model_name, on_meta))
     train_set, val_set = local_rank_zero_first(lambda: load_data(args, tokenizer))
-    rank0_print(f"Size of train dataset: {len(train_set)}, validation dataset: {len(val_set)}")
+    rank0_print(f"Size of train dataset: {len(train_set)}, validation dataset: "
+                f"{len(val_set) if val_set else 'none (--no-run-validation)'}")
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
                               sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
-    val_loader = DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
-                            sampler=DistributedSampler(val_set, shuffle=False))
+    val_loader = val_set and DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
+                                        sampler=DistributedSampler(val_set, shuffle=False))
 
     model = wrap_model(model, args, device)
     describe_fsdp(model)
@@ -444,6 +490,9 @@ def main(args, device):
         "val_losses": []}
     # Checked, and --save-dir made, only now: bad input found before leaves nothing behind.
     check_outputs(args, {"--save-dir": args.save_model and os.path.abspath(args.save_dir)})
+    if args.save_model and args.checkpoint_type == "sharded":
+        lock_folder("--save-dir", args.save_dir)
+        start_afresh(args)
     run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
     report, train_times, epoch_times = Report(args, device), [], []
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
@@ -451,7 +500,7 @@ def main(args, device):
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + rank)
         state["train_losses"].append(train(model, train_loader, optimizer, scaler, epoch, device))
         train_times.append(report.lap())
-        val_loss = validation(model, val_loader, device) if args.run_validation else None
+        val_loss = validation(model, val_loader, device) if val_loader else None
         state["val_losses"].append(val_loss)
         scheduler.step()
         epoch_times.append(train_times[-1] + report.lap())
@@ -483,10 +532,16 @@ def main(args, device):
     report.write(train_loss=state["train_losses"][-1], train_losses=state["train_losses"],
                  val_loss=state["best_val_loss"], val_losses=state["val_losses"],
                  epoch_times=epoch_times, samples_per_s=samples_per_s,
-                 train_batches=len(train_loader), val_batches=len(val_loader),
+                 train_batches=len(train_loader), val_batches=len(val_loader or ()),
                  peak_memory_after_loading_per_rank=loaded.peaks,
                  checkpoint=best and f"{best}-hf", checkpoint_pt=best and f"{best}.pt",
                  mixed_precision=precision, sharding_strategy=model.sharding_strategy.name)
+
+
+# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
+DIVERGED = "try a smaller --lr, or --mixed-precision bf16 or fp32 instead of fp16"
+MEMORY_ADVICE = ("use a smaller --batch-size, --test-batch-size, --input-length or "
+                 "--output-length, or --activation-checkpointing")
 
 
 def parse_args():
@@ -499,16 +554,19 @@ def parse_args():
     add("--batch-size", type=positive(int), default=4, metavar="N", help="batch per process")
     add("--test-batch-size", type=positive(int), default=4, metavar="N", help="validation batch")
     add("--epochs", type=positive(int), default=2, metavar="N", help="number of epochs to train")
-    add("--lr", type=float, default=0.002, metavar="LR", help="AdamW learning rate")
-    add("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma per epoch")
-    add("--seed", type=int, default=1, metavar="S", help="random seed (dropout, shuffling)")
+    add("--lr", type=positive(float, most=1e30), default=0.002, metavar="LR",
+        help="AdamW learning rate, at most 1e30 (much larger ones overflow float32)")
+    add("--gamma", type=positive(float, zero=True, most=1), default=0.7, metavar="M",
+        help="learning rate step gamma per epoch")
+    add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=1, metavar="S",
+        help="random seed (dropout, shuffling)")
     add("--num-train-samples", type=positive(int), default=1500, metavar="N", help="first N "
         "articles of the train split")
     add("--num-val-samples", type=positive(int), default=300, metavar="N", help="first N articles "
         "of the validation split")
-    add("--input-length", type=positive(int), default=512, metavar="N",
+    add("--input-length", type=positive(int, most=16384), default=512, metavar="N",
         help="article tokens (truncated or padded to N)")
-    add("--output-length", type=positive(int), default=150, metavar="N",
+    add("--output-length", type=positive(int, most=16384), default=150, metavar="N",
         help="summary tokens (truncated or padded to N; the loss ignores the padding)")
     add("--sharding-strategy", default="FULL_SHARD",
         choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
@@ -543,6 +601,8 @@ def parse_args():
              "device and receive rank 0's weights through FSDP's sync_module_states (accelerate's "
              "fsdp_cpu_ram_efficient_loading)")
     add("--save-dir", default=".", help="folder for saved models and checkpoints")
+    add("--overwrite", action="store_true", help="without --resume, delete the sharded "
+        "checkpoints already in --save-dir")
     add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
         "torchrun (None: one per GPU, or 2 on CPU)")
@@ -560,7 +620,8 @@ def parse_args():
 # ==================================================================================================
 # Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
-# checks, time and memory figures, the metrics file, process-group set-up, launching.
+# checks and locks, time and memory figures, the metrics file, process-group set-up, launching.
+# It calls the script's main(args, device) and parse_args(), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -569,11 +630,13 @@ def rank0_print(*args, **kwargs):
 
 
 def fail(message, node_local=False):
-    """Exit 1 on this rank; rank 0 (node_local: each node's local rank 0) says why in one line."""
-    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:  # torchrun stops all workers once one has failed: give rank 0 the time to say why
+    """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
+    it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
+    too (torchrun stops all workers once one has failed), but does when the problem is its own."""
+    if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
+        message = f"rank {os.environ['RANK']}: {message}"
+    print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -585,13 +648,17 @@ def agree_on_error(error):
         fail(next(e for e in errors if e))
 
 
-def check_outputs(args, outputs):
-    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and beside
-    --metrics-json: a bad path then fails the run in seconds, not at the first save."""
-    outputs["--metrics-json"] = args.metrics_json and os.path.dirname(os.path.abspath(
-        args.metrics_json))
+def check_outputs(args, folders, files=None):
+    """Fail unless rank 0 can create a file in each {flag: folder} (made if missing) and write
+    each {flag: file} and --metrics-json: a bad path then fails in seconds, not at the first save.
+    """
+    files = {**(files or {}), "--metrics-json": args.metrics_json}
     error = None
-    for flag, folder in outputs.items() if dist.get_rank() == 0 else ():
+    for flag, path in files.items():
+        if path and os.path.isdir(path):
+            error = f"{flag}: {path} is a folder; pass a file's path"
+        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+    for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:
                 os.makedirs(folder, exist_ok=True)
@@ -600,6 +667,38 @@ def check_outputs(args, outputs):
             problem = "is a file" if os.path.isfile(folder) else f"is not writable ({e.strerror})"
             error = f"{flag}: {folder} {problem}, so nothing can be written into it; pass another"
     agree_on_error(error)
+
+
+def lock_folder(flag, folder):
+    """Rank 0 holds an exclusive lock on the folder until its process ends, so that a second job
+    (a double launch, a requeue) cannot write into the same folder; the kernel releases the lock
+    of a job that died, so a crash never leaves it stuck. It writes no file."""
+    error = None
+    if dist.get_rank() == 0:
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            HELD_LOCKS.append(descriptor)  # the lock lasts as long as the descriptor is open
+        except OSError:
+            os.close(descriptor)
+            error = (f"{flag} {folder} is in use by another job, which holds its lock; wait for it "
+                     f"to end, or pass another {flag}")
+    agree_on_error(error)
+
+
+HELD_LOCKS = []
+
+
+def stop_if_diverged(where, tensors, advice):
+    """Fail on every rank, in one line, if any of the tensors (a loss, or a model's parameters) is
+    NaN or infinite on any rank: a diverged run must not go on, nor save what it has become."""
+    bad = torch.zeros((), device=tensors[0].device)
+    for tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors
+        bad += (~torch.isfinite(tensor.detach())).any()
+    dist.all_reduce(bad)
+    if bad:
+        fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
 
 
 class Report:
@@ -677,6 +776,7 @@ def init_process_group(backend, timeout):
                             timeout=timeout)
 
 
+@record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
     """main(args, device) in this process's process group; a lost peer ends it in one line."""
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -690,7 +790,12 @@ def run_worker(args, use_cuda):
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))
         main(args, device)  # its model and optimizer are garbage once it returns
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        fail(f"out of memory ({' '.join(str(e).split()).split('. ')[0]}): {MEMORY_ADVICE}")
     except RuntimeError as e:
+        reason = re.search(r"can't allocate memory[^.]*", str(e))  # a failed CPU allocation
+        if reason:
+            fail(f"out of memory ({reason[0]}): {MEMORY_ADVICE}")
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
@@ -746,13 +851,21 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         fail(message)
 
 
-def positive(kind):
-    """An argparse type: a number of that kind (int or float) above 0, so neither 0 nor NaN."""
+def positive(kind, zero=False, most=math.inf):
+    """An argparse type: a finite number of that kind (int or float), above 0 (with zero: 0 or
+    more) and at most `most`; so never NaN."""
     def parse(text):
-        if not kind(text) > 0:
-            noun = "integer" if kind is int else "number"
-            raise argparse.ArgumentTypeError(f"must be a positive {noun}, got {text}")
-        return kind(text)
+        value = kind(text)
+        if not ((value >= 0 if zero else value > 0) and math.isfinite(value) and value <= most):
+            rule = "a positive integer" if kind is int else "a positive number"
+            if zero:
+                rule = "an integer" if kind is int else "a number"
+                rule += " from 0" if most < math.inf else " of 0 or more"
+            if most < math.inf:
+                shown = f"{most:,}" if kind is int else f"{most:g}"
+                rule += f" to {shown}" if zero else f" of at most {shown}"
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
 

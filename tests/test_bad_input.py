@@ -1,10 +1,15 @@
 """Bad input, all four scripts, in one table.
 
-Every case runs the real script under torchrun on 2 ranks and must fail within 60 s: a non-zero
-exit, exactly one `error:` line (from rank 0) that names the problem, no traceback, and nothing
-written: the run's folder is the same before and after.
+Every case runs the real script on 2 ranks (under torchrun; or with python, where argparse refuses
+the value before any process starts) and must fail within 60 s: a non-zero exit, exactly one
+`error:` line (from rank 0) that names the problem, no traceback, and nothing written: the run's
+folder is the same before and after.
 """
+import fcntl
+import json
+import os
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +18,7 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     NO_NETWORK,
+    REPO,
     copy_fsdp2_checkpoint,
     run_command,
     single_error_line,
@@ -86,7 +92,63 @@ CASES = [  # id, script, args, what the error line must say
      ["--save-dir", "a_file/out", "Not a directory"]),
     ("T5 resume auto without sharded checkpoints", "t5_fsdp_finetune.py", ["--resume", "auto"],
      ["--resume auto", "--checkpoint-type sharded"]),
+    # Silent wrong results before: divergence, edited metadata, shared folders, mixed runs.
+    ("MNIST diverging", "fsdp1_mnist.py", ["--lr", "1e30"],
+     ["training diverged", "loss of epoch 1, batch", "not finite", "--lr"]),
+    ("T5 diverging", "t5_fsdp_finetune.py", ["--lr", "1e30", "--no-save-model"],
+     ["training diverged", "loss of epoch 1, step", "--lr"]),
+    ("FSDP2 marker of another step", "fsdp2_transformer.py",
+     ["--checkpoint-dir", "{fsdp2_marker_edited}"],
+     ["step_000010: its COMPLETE marker says step 7", "--no-resume"]),
+    ("T5 trainer state of another epoch", "t5_fsdp_finetune.py", ["--resume", "{t5_state_edited}"],
+     ["trainer_state.json says epoch -1, not its folder's"]),
+    ("FSDP2 checkpoint dir in use", "fsdp2_transformer.py", ["--checkpoint-dir", "{locked}"],
+     ["--checkpoint-dir", "locked is in use by another job"]),
+    ("FSDP2 no-resume over older checkpoints", "fsdp2_transformer.py",
+     ["--checkpoint-dir", "{fsdp2_checkpoint}", "--no-resume"],
+     ["--no-resume", "step_000010", "add --overwrite"]),
+    ("T5 tokenizer files missing", "t5_fsdp_finetune.py",
+     ["--model-name", "{t5_without_tokenizer}"],
+     ["its tokenizer has", "tokenizer files are missing"]),
+    # Tracebacks before: output paths, MNIST contents, values argparse let through, memory.
+    ("MNIST metrics path is a folder", "fsdp1_mnist.py", ["--metrics-json", "{empty}"],
+     ["--metrics-json", "empty is a folder"]),
+    ("MNIST model file is a folder", "ddp_mnist.py", ["--data-dir", "{mnist_beside_a_folder}"],
+     ["--save-model", "mnist_cnn.pt is a folder"]),
+    ("MNIST fewer labels than images", "fsdp1_mnist.py", ["--data-dir", "{fewer_labels}"],
+     ["cannot use MNIST", "1500 images but 1495 labels"]),
+    ("MNIST label out of range", "ddp_mnist.py", ["--data-dir", "{label_ten}"],
+     ["cannot use MNIST", "labels outside 0-9 (from 0 to 10)"]),
+    ("MNIST NaN learning rate", "ddp_mnist.py", ["--lr", "nan"],
+     ["--lr", "must be a positive number", "got nan"]),
+    ("MNIST infinite timeout", "fsdp1_mnist.py", ["--dist-timeout", "inf"],
+     ["--dist-timeout", "got inf"]),
+    ("FSDP2 negative max-norm", "fsdp2_transformer.py", ["--max-norm", -1],
+     ["--max-norm", "of 0 or more, got -1"]),
+    ("FSDP2 seed too large", "fsdp2_transformer.py", ["--seed", 2**64],
+     ["--seed", "from 0 to 4,294,967,295"]),
+    ("FSDP2 out of memory", "fsdp2_transformer.py", ["--vocab-size", 2_000_000_000],
+     ["out of memory", "can't allocate memory", "--batch-size", "--vocab-size"]),
+    ("T5 negative gamma", "t5_fsdp_finetune.py", ["--gamma", -1], ["--gamma", "from 0 to 1"]),
+    ("MNIST growing gamma", "fsdp1_mnist.py", ["--gamma", 2], ["--gamma", "from 0 to 1, got 2"]),
+    ("FSDP2 learning rate beyond float32", "fsdp2_transformer.py", ["--lr", "1e42"],
+     ["--lr", "at most 1e+30, got 1e42"]),
+    ("T5 huge output length", "t5_fsdp_finetune.py", ["--output-length", 100000],
+     ["--output-length", "at most 16,384"]),
+    ("T5 BERT config", "t5_fsdp_finetune.py", ["--model-name", "{bert_model}"],
+     ["holds a bert model, not T5"]),
+    ("T5 header-only CSV", "t5_fsdp_finetune.py", ["--data-dir", "{header_only_csv}"],
+     ["header_only_csv/wikihowAll.csv has its header but no article"]),
 ]
+
+
+# Values argparse refuses: they fail before any process group, in parse_args, which torchrun's
+# workers and `python script.py` run alike. These go with python: one process starts instead of
+# three, and the table stays quick ("FSDP2 no steps" shows that torchrun prints one line too).
+PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning rate",
+                   "MNIST infinite timeout", "FSDP2 negative max-norm", "FSDP2 seed too large",
+                   "T5 negative gamma", "T5 huge output length", "MNIST growing gamma",
+                   "FSDP2 learning rate beyond float32"}
 
 
 def make_dir(path):
@@ -135,6 +197,36 @@ def truncated_optimizer_file(fsdp2_reference, dest):
     return folder
 
 
+def edited_json(folder, name, **values):
+    """Change values of the JSON file folder/name; return folder."""
+    data = json.loads((folder / name).read_text())
+    (folder / name).write_text(json.dumps({**data, **values}))
+    return folder
+
+
+HELD_LOCKS = []
+
+
+def locked_by_this_process(folder):
+    """A --checkpoint-dir that another job holds: this test process takes its lock."""
+    folder.mkdir()
+    descriptor = os.open(folder, os.O_RDONLY)
+    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    HELD_LOCKS.append(descriptor)  # held until the session ends
+    return folder
+
+
+def fewer_labels(data):
+    """An IDX label file whose header and contents say 5 labels fewer."""
+    count = int.from_bytes(data[4:8], "big")
+    return data[:4] + (count - 5).to_bytes(4, "big") + data[8:-5]
+
+
+def copy_without(source, dest, names):
+    """A copy of source without the files named."""
+    return shutil.copytree(source, dest, ignore=lambda folder, found: set(found) & names)
+
+
 # How each {placeholder} is made in the test's folder, from the fixtures it names (loaded only
 # when used).
 INPUTS = {
@@ -162,18 +254,38 @@ INPUTS = {
                                                  cut_inside_a_quoted_field),
     "t5_corrupt": lambda tmp, f: truncate_a_shard(f("t5_reference").cwd / "checkpoint-epoch-1",
                                                   tmp / "t5_corrupt"),
+    "fsdp2_marker_edited": lambda tmp, f: edited_json(
+        copy_fsdp2_checkpoint(f("fsdp2_reference"), 10, tmp / "edited") / "step_000010",
+        "COMPLETE", step=7).parent,
+    "t5_state_edited": lambda tmp, f: edited_json(
+        shutil.copytree(f("t5_reference").cwd / "checkpoint-epoch-1", tmp / "checkpoint-epoch-1"),
+        "trainer_state.json", epoch=-1),
+    "locked": lambda tmp, f: locked_by_this_process(tmp / "locked"),
+    "t5_without_tokenizer": lambda tmp, f: copy_without(
+        f("tiny_t5_dir"), tmp / "no_tokenizer", {"tokenizer.json", "tokenizer_config.json",
+                                                 "special_tokens_map.json", "spiece.model"}),
+    "bert_model": lambda tmp, f: edited_json(shutil.copytree(f("tiny_t5_dir"), tmp / "bert"),
+                                             "config.json", model_type="bert"),
+    "header_only_csv": lambda tmp, f: copy_wikihow(f("wikihow_dir"), tmp / "header_only_csv",
+                                                   lambda data: data[:data.index(b"\n") + 1]),
+    "mnist_beside_a_folder": lambda tmp, f: (make_dir(tmp / "mnist_cnn.pt"), f("mnist_dir"))[1],
+    "fewer_labels": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "fewer_labels",
+                                              "train-labels-idx1-ubyte", fewer_labels),
+    "label_ten": lambda tmp, f: copy_mnist(f("mnist_dir"), tmp / "label_ten",
+                                           "t10k-labels-idx1-ubyte",
+                                           lambda data: data[:8] + bytes([10]) + data[9:]),
 }
 
 
 class Inputs(dict):
     """str.format_map mapping that makes each input the first time a case's arguments name it."""
 
-    def __init__(self, tmp_path, request):
+    def __init__(self, tmp_path, fixture):
         super().__init__()
-        self.tmp_path, self.request = tmp_path, request
+        self.tmp_path, self.fixture = tmp_path, fixture
 
     def __missing__(self, name):
-        self[name] = INPUTS[name](self.tmp_path, self.request.getfixturevalue)
+        self[name] = INPUTS[name](self.tmp_path, self.fixture)
         return self[name]
 
 
@@ -190,14 +302,16 @@ def failed_runs(tmp_path_factory, request):
 
     The runs go four at a time: a run that fails on bad input is mostly Python and torch starting
     up, which overlaps well with other runs, and the table would otherwise take a good part of the
-    suite's time.
+    suite's time. T5's runs, the longest, go first, so that none is left running alone at the end.
     """
     prepared = {}
-    for name, script, args, _ in CASES:  # inputs first, in this thread: they may load fixtures
-        folder = tmp_path_factory.mktemp("bad_input")
-        inputs = Inputs(folder, request)
+    for name, script, args, _ in sorted(CASES, key=lambda case: case[1] != "t5_fsdp_finetune.py"):
+        folder = tmp_path_factory.mktemp("bad_input")  # inputs in this thread: they load fixtures
+        inputs = Inputs(folder, request.getfixturevalue)
         command = [str(a).format_map(inputs) for a in [*BASE_ARGS[script], *args]]
-        prepared[name] = folder, torchrun_command(script, command, 2), folder_state(folder)
+        launch = ([sys.executable, REPO / script, *command] if name in PYTHON_LAUNCHED
+                  else torchrun_command(script, command, 2))
+        prepared[name] = folder, launch, folder_state(folder)
 
     def run(name):
         folder, command, before = prepared[name]

@@ -1,8 +1,9 @@
-"""Faults, caused from outside the scripts: a worker killed mid-run or mid-checkpoint under
-torchrun's elastic restart, and a hung peer under a short --dist-timeout."""
+"""Faults: caused from outside the scripts (a worker killed mid-run or mid-checkpoint under
+torchrun's elastic restart, a hung peer under a short --dist-timeout), and a bug inside one."""
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -13,9 +14,11 @@ import torch
 from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
+    REPO,
     T5_REFERENCE,
     TORCHRUN_REPORT,
     full_state_of,
+    run_command,
     t5_args,
     torchrun_command,
 )
@@ -236,3 +239,18 @@ def test_a_hung_peer_ends_the_job_within_the_timeout(hung_peer_runs, script):
     assert len(errors) == 1 and "Traceback" not in worker_stderr, worker_stderr
     assert errors[0].startswith("error: rank 0: a collective failed (")
     assert f"--dist-timeout {HUNG_PEER_TIMEOUT}s" in errors[0]
+
+
+def test_a_bug_reaches_torchruns_report_as_the_root_cause(tmp_path):
+    """An unexpected exception (here a KeyError put into train_step, as a user's edit might) is
+    not turned into an error line: torchrun's failure report shows it, with its traceback, as the
+    root cause (the worker's entry point is decorated with @record)."""
+    script = tmp_path / "fsdp2_transformer.py"
+    shutil.copy(REPO / "fsdp2_transformer.py", script)
+    code = script.read_text()
+    step = "def train_step(model, optimizer, tokens, args):\n"
+    script.write_text(code.replace(step, step + '    {}["a bug"]\n', 1))
+    result = run_command(torchrun_command(script, [*FSDP2_TINY, "--steps", 2], 2), tmp_path, 120)
+    report = result.stderr.split("Root Cause (first observed failure):")[-1]
+    assert result.returncode != 0
+    assert "KeyError: 'a bug'" in report and "in train_step" in report, result.stderr

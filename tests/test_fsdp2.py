@@ -9,7 +9,14 @@ import time
 import pytest
 import torch
 from conftest import FSDP2_TINY as TINY
-from conftest import REPO, copy_fsdp2_checkpoint, run_command, warning_lines
+from conftest import (
+    REPO,
+    copy_fsdp2_checkpoint,
+    run_command,
+    single_error_line,
+    torchrun_command,
+    warning_lines,
+)
 
 sys.path.insert(0, str(REPO))
 from fsdp2_transformer import Transformer, global_batch, task_rules  # noqa: E402
@@ -242,16 +249,50 @@ def test_checkpoint_layout_and_plain_model(fsdp2_reference):
     assert loss.item() == pytest.approx(fsdp2_reference.metrics["train_loss"], rel=0.1)
 
 
-def test_lr_sets_the_step_size_and_no_resume_starts_over(torchrun, tmp_path, fsdp2_reference):
-    """--no-resume trains from step 1 although --checkpoint-dir holds step 10. Step 1's loss comes
-    before any update, so it is the reference's; every later one depends on --lr."""
+def test_lr_sets_the_step_size_and_no_resume_overwrite_starts_over(torchrun, tmp_path,
+                                                                   fsdp2_reference):
+    """--no-resume --overwrite trains from step 1 although --checkpoint-dir holds step 10, which it
+    deletes (without --overwrite the run refuses: the bad-input table). Step 1's loss comes before
+    any update, so it is the reference's; every later one depends on --lr."""
     copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
     result = torchrun(SCRIPT, *TINY, "--steps", 3, "--lr", 1e-4, "--checkpoint-dir", "ckpt",
-                      "--no-resume")
+                      "--no-resume", "--overwrite", "--save-every", 3)
     assert result.returncode == 0, result.output
+    assert "--overwrite: deleted 1 checkpoint(s) of an earlier run" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000003"]
     losses = result.metrics["losses"]
     assert result.metrics["first_step"] == 1 and losses[0] == fsdp2_reference.metrics["losses"][0]
     assert losses[1:] != pytest.approx(fsdp2_reference.metrics["losses"][1:3], rel=1e-4)
+
+
+def test_divergence_stops_at_the_first_nan_and_keeps_the_last_finite_checkpoint(torchrun,
+                                                                                tmp_path):
+    """--lr 1e30 blows the model up: the run stops at the first non-finite loss with one error line
+    naming the step, writes no metrics, and its newest checkpoint is the step before, all finite."""
+    result = torchrun(SCRIPT, *TINY, "--steps", 20, "--lr", 1e30, "--checkpoint-dir", "ckpt",
+                      "--save-every", 1)
+    assert result.returncode != 0 and result.metrics is None
+    step = int(re.search(r"error: training diverged: the loss of step (\d+) is nan",
+                         single_error_line(result))[1])
+    saved = sorted((tmp_path / "ckpt").glob("step_*"))
+    assert saved[-1].name == f"step_{step - 1:06d}" and step > 1, saved
+    model = torch.load(saved[-1] / "model.pt", weights_only=True)
+    assert all(torch.isfinite(tensor).all() for tensor in model.values())
+
+
+def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
+    """The last step's loss is finite but its update leaves a weight NaN (put there by a line added
+    to a copy of the script, as an overflowing update would): the run fails rather than save that
+    model, and the newest checkpoint stays the step before."""
+    code = (REPO / SCRIPT).read_text()
+    step = "        loss, grad_norm = train_step(model, optimizer, tokens, args)\n"
+    nan = ("        if step == args.steps:\n"
+           "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
+    (tmp_path / SCRIPT).write_text(code.replace(step, step + nan, 1))
+    args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1]
+    result = run_command(torchrun_command(tmp_path / SCRIPT, args, 2), tmp_path, timeout=120)
+    assert "training diverged: a parameter is not finite" in single_error_line(result)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
 
 def test_log_every_sets_the_printed_steps(fsdp2_reference):
