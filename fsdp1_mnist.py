@@ -524,6 +524,9 @@ def run_worker(args, use_cuda):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Faster exit, not a fix: Python's last collection at exit walks every object torch made
+        # (0.6 s per process, a good part of a short run); frozen, they go with the process.
+        gc.freeze()
 
 
 def spawn_worker(rank, args, use_cuda, world_size, port):
@@ -556,6 +559,7 @@ def launch(args):
         mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size)
     except mp.ProcessExitedException as e:  # the failing worker has said why
         sys.exit(e.exit_code or 1)
+    gc.freeze()  # a faster exit, as in run_worker
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
