@@ -1,0 +1,192 @@
+"""Random-kill harness: does training recover, exactly, from workers killed at random moments?
+
+For each case it runs the script twice under torch.distributed.run: once uninterrupted, and once
+with --max-restarts while a killer SIGKILLs a random rank at random moments (often while a
+checkpoint is being written), --kills times. torchrun restarts all workers after each kill; they
+resume from the newest complete checkpoint. The case recovered when the killed run ends with exit
+status 0, its final checkpoint holds exactly (bit for bit) the uninterrupted run's tensors, and
+every step (or epoch) loss it printed equals the uninterrupted run's.
+
+    python benchmarks/chaos.py                                   # every case, 20 kills each
+    python benchmarks/chaos.py --cases sharded-async --kills 5 --out chaos.md
+
+Cases: FSDP2 with full checkpoints (DTensor API), sharded checkpoints, and sharded asynchronous
+checkpoints, one checkpoint per step; T5 with sharded checkpoints and --resume auto, one per epoch.
+The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import full_state_of  # noqa: E402  (the tests' reader of either checkpoint format)
+
+FSDP2 = ["--vocab-size", "64", "--dim", "32", "--n-layers", "3", "--seq-len", "16",
+         "--batch-size", "8", "--log-every", "1", "--save-every", "1", "--checkpoint-dir", "ckpt"]
+CASES = {  # name: (script, arguments, the printed line of a step's loss)
+    "full": ("fsdp2_transformer.py", FSDP2, r"step (\d+) \| loss (\S+)"),
+    "sharded": ("fsdp2_transformer.py", [*FSDP2, "--checkpoint-format", "sharded"],
+                r"step (\d+) \| loss (\S+)"),
+    "sharded-async": ("fsdp2_transformer.py", [*FSDP2, "--checkpoint-format", "sharded",
+                                                "--async-checkpoint"], r"step (\d+) \| loss (\S+)"),
+    "t5-sharded": ("t5_fsdp_finetune.py",
+                   ["--input-length", "32", "--output-length", "16", "--num-train-samples", "32",
+                    "--num-val-samples", "8", "--lr", "0.01", "--checkpoint-type", "sharded",
+                    "--resume", "auto", "--no-track-memory", "--save-dir", "."],
+                   r"Train Epoch: \t(\d+), Loss: \t(\S+)"),
+}
+
+
+def workers(agent_pid):
+    """{rank: pid} of the worker processes an agent has started (its children with RANK set)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+        if parent == agent_pid and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(pid)
+    return found
+
+
+def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800):
+    """Run the script under torchrun in cwd, killing a random worker `kills` times: once per
+    attempt (torchrun's restart), after the attempt has printed a step's (epoch's) loss, matched by
+    pattern, and then a random pause of up to 1 s or (a third of the time) as soon as a checkpoint
+    is being written. Returns (exit status, output, kills, kills while a checkpoint was
+    half-written)."""
+    rng = random.Random(seed)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(nproc), "--max-restarts", str(kills), str(REPO / script), *args]
+    with open(cwd / "output.txt", "w") as output:
+        agent = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+    done, during_save, deadline, attempts = 0, 0, time.monotonic() + timeout, set()
+    try:
+        while done < kills and agent.poll() is None and time.monotonic() < deadline:
+            found = workers(agent.pid)
+            printed = len(re.findall(pattern, read(cwd)))
+            if len(found) < nproc or frozenset(found.values()) in attempts:
+                time.sleep(0.05)
+                continue
+            while agent.poll() is None and len(re.findall(pattern, read(cwd))) == printed:
+                time.sleep(0.02)  # until this attempt has trained a step (an epoch)
+            if rng.random() < 1 / 3:  # wait for a checkpoint write to be under way
+                limit = time.monotonic() + 5
+                while not list(cwd.rglob("*.tmp")) and time.monotonic() < limit:
+                    time.sleep(0.001)
+            else:
+                time.sleep(rng.uniform(0, 1.0))
+            if agent.poll() is not None:
+                break
+            during_save += bool(list(cwd.rglob("*.tmp")))
+            os.kill(rng.choice(list(found.values())), signal.SIGKILL)
+            attempts.add(frozenset(found.values()))
+            done += 1
+        agent.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    return agent.returncode, read(cwd), done, during_save
+
+
+def read(cwd):
+    return (cwd / "output.txt").read_text(errors="replace")
+
+
+def losses(output, pattern):
+    """{step: [every loss printed for it]} (a step retrained after a kill prints again)."""
+    found = {}
+    for step, loss in re.findall(pattern, output):
+        found.setdefault(int(step), []).append(loss)
+    return found
+
+
+def final_checkpoint(cwd):
+    marked = [p.parent for p in cwd.rglob("COMPLETE")] + [p.parent for p in
+                                                          cwd.rglob("trainer_state.json")]
+    return max(marked, key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+
+
+def chaos_case(name, kills, steps, seed, workdir, fixtures):
+    """Run one case straight and with kills; return a dict of what happened."""
+    import torch
+    script, args, pattern = CASES[name]
+    args = [*args, *(["--steps", str(steps)] if script.startswith("fsdp2") else
+                     ["--epochs", str(steps), "--model-name", str(fixtures[1]), "--data-dir",
+                      str(fixtures[0])])]
+    results = {}
+    for mode, n in (("straight", 0), ("killed", kills)):
+        cwd = workdir / name / mode
+        cwd.mkdir(parents=True)
+        results[mode] = run(script, args, pattern, cwd, 2, kills=n, seed=seed)
+    status, output, done, during_save = results["killed"]
+    straight, killed = (losses(results[m][1], pattern) for m in ("straight", "killed"))
+    same_losses = all(all(loss == straight[step][0] for loss in printed)
+                      for step, printed in killed.items()) and set(killed) == set(straight)
+    final = {m: full_state_of(final_checkpoint(workdir / name / m)) for m in ("straight", "killed")}
+    same_state = (results["straight"][0] == 0 and final["straight"].keys() == final["killed"].keys()
+                  and all(torch.equal(final["straight"][k], final["killed"][k])
+                          for k in final["straight"]))
+    return {"case": name, "kills": done, "during_save": during_save, "exit_status": status,
+            "recovered": status == 0 and same_losses and same_state,
+            "same_losses": same_losses, "same_final_state": same_state,
+            "restarts": output.count("Resumed from")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per killed run")
+    parser.add_argument("--steps", type=int, default=400,
+                        help="FSDP2 steps (T5 trains --steps // 10 epochs)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the killer's choices")
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--json", help="write the results as JSON to this file")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="fsdp-chaos-"))
+    fixtures = None
+    if "t5-sharded" in args.cases:
+        from tiny_wikihow import write_tiny_t5, write_wikihow
+        from transformers.utils import logging
+        logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+        fixtures = write_wikihow(workdir / "data"), write_tiny_t5(workdir / "tiny-t5")
+    start, rows = time.monotonic(), []
+    for name in args.cases:
+        steps = args.steps if name != "t5-sharded" else max(2, args.steps // 10)
+        rows.append(chaos_case(name, args.kills, steps, args.seed, workdir, fixtures))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    table = ["| case | kills | during a checkpoint write | restarts that resumed | recovered, "
+             "final state bit-identical | every printed loss identical |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        recovered, same = ("yes" if row[k] else "NO" for k in ("recovered", "same_losses"))
+        table.append(f"| {row['case']} | {row['kills']} | {row['during_save']} | "
+                     f"{row['restarts']} | {recovered} | {same} |")
+    elapsed = time.monotonic() - start
+    markdown = "\n".join([*table, "", f"{elapsed:.0f} s; killer seed {args.seed}"])
+    print(markdown)
+    if args.out:
+        Path(args.out).write_text(markdown + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    shutil.rmtree(workdir, ignore_errors=True)
+    sys.exit(0 if all(row["recovered"] for row in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
