@@ -137,9 +137,18 @@ def run_command(command, cwd, timeout, env=None):
     return Run(proc.returncode, proc.stdout, proc.stderr, metrics, Path(cwd))
 
 
+# `python -m torch.distributed.run`, with one difference that only makes it exit sooner: it freezes
+# its objects at exit, as the scripts' workers do (gc.freeze in run_worker), so that Python's last
+# garbage collection does not walk every object torch made: 0.4-0.5 s less per launch, about a
+# minute over the suite.
+TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy, sys; atexit.register(gc.freeze); "
+            "sys.argv[0] = 'torchrun'; "
+            "runpy.run_module('torch.distributed.run', run_name='__main__')"]
+
+
 def torchrun_command(script, args, nproc, max_restarts=0):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", nproc, "--max-restarts", max_restarts, REPO / script, *args]
+    return [*TORCHRUN, "--standalone", "--nproc_per_node", nproc, "--max-restarts", max_restarts,
+            REPO / script, *args]
 
 
 @pytest.fixture

@@ -145,7 +145,7 @@ def test_cpu_ram_efficient_loading_lowers_the_memory_of_other_ranks(cached_torch
     """With a 322 MB model, rank 1's peak memory once the model is loaded and wrapped is lower when
     only rank 0 loads the weights; rank 0 loads them either way."""
     args = ["--model-name", wide_t5_dir, "--data-dir", wikihow_dir, "--input-length", 32,
-            "--output-length", 16, "--num-train-samples", 8, "--num-val-samples", 4, "--epochs", 1,
+            "--output-length", 16, "--num-train-samples", 4, "--num-val-samples", 4, "--epochs", 1,
             "--batch-size", 2, "--no-save-model", "--no-run-validation"]
     peaks = {}
     for options in ([], ["--cpu-ram-efficient-loading"]):

@@ -5,7 +5,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     REPO,
+    TORCHRUN,
     copy_fsdp2_checkpoint,
     t5_args,
 )
@@ -34,10 +34,9 @@ def run_two_nodes(tmp_path, script, *args, nproc_per_node=1):
     for node in (0, 1):
         folder = tmp_path / f"node{node}"
         folder.mkdir(exist_ok=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank",
-                   node, "--nproc-per-node", nproc_per_node, "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", endpoint, "--rdzv-id", "test", REPO / script, *args,
-                   "--metrics-json", "metrics.json"]
+        command = [*TORCHRUN, "--nnodes", 2, "--node-rank", node, "--nproc-per-node",
+                   nproc_per_node, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                   "--rdzv-id", "test", REPO / script, *args, "--metrics-json", "metrics.json"]
         # torchrun sets one thread per process only for several processes per node; the one-node
         # runs have it.
         agents.append(subprocess.Popen([str(c) for c in command], cwd=folder,
