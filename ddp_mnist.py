@@ -93,10 +93,11 @@ def load_mnist(data_dir):
             raise ValueError(f"cannot read MNIST from {raw_dir} ("  # torchvision names no file
                              f"{next(filter(None, problems), None) or repr(e)}); delete that "
                              "folder to download it again.")
-        problem = next(filter(None, map(mnist_problem, sets)), None)
-        if problem:  # the files' headers were fine, but they disagree with each other
-            raise ValueError(f"cannot use MNIST from {raw_dir} ({problem}); delete that folder to "
-                             "download it again.")
+        for dataset in sets:  # the files' headers were fine; do their contents agree?
+            problem = mnist_problem(dataset)
+            if problem:
+                raise ValueError(f"cannot use MNIST from {raw_dir} ({problem}); delete that "
+                                 "folder to download it again.")
         return sets
 
     return local_rank_zero_first(load)

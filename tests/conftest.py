@@ -146,6 +146,15 @@ TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy, sys; atexit.registe
             "runpy.run_module('torch.distributed.run', run_name='__main__')"]
 
 
+def script_with_lines(script, folder, after, lines):
+    """A copy of the script in folder, with `lines` added after the line `after` (which must be
+    there): how a test puts a bug or a fault inside a real run. Returns the copy's path."""
+    code = (REPO / script).read_text()
+    assert after in code, f"{script} no longer has the line {after!r}"
+    (folder / script).write_text(code.replace(after, after + lines, 1))
+    return folder / script
+
+
 def torchrun_command(script, args, nproc, max_restarts=0):
     return [*TORCHRUN, "--standalone", "--nproc_per_node", nproc, "--max-restarts", max_restarts,
             REPO / script, *args]

@@ -3,7 +3,6 @@ torchrun's elastic restart, a hung peer under a short --dist-timeout), and a bug
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -14,11 +13,11 @@ import torch
 from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
-    REPO,
     T5_REFERENCE,
     TORCHRUN_REPORT,
     full_state_of,
     run_command,
+    script_with_lines,
     t5_args,
     torchrun_command,
 )
@@ -245,11 +244,9 @@ def test_a_bug_reaches_torchruns_report_as_the_root_cause(tmp_path):
     """An unexpected exception (here a KeyError put into train_step, as a user's edit might) is
     not turned into an error line: torchrun's failure report shows it, with its traceback, as the
     root cause (the worker's entry point is decorated with @record)."""
-    script = tmp_path / "fsdp2_transformer.py"
-    shutil.copy(REPO / "fsdp2_transformer.py", script)
-    code = script.read_text()
-    step = "def train_step(model, optimizer, tokens, args):\n"
-    script.write_text(code.replace(step, step + '    {}["a bug"]\n', 1))
+    script = script_with_lines("fsdp2_transformer.py", tmp_path,
+                               "def train_step(model, optimizer, tokens, args):\n",
+                               '    {}["a bug"]\n')
     result = run_command(torchrun_command(script, [*FSDP2_TINY, "--steps", 2], 2), tmp_path, 120)
     report = result.stderr.split("Root Cause (first observed failure):")[-1]
     assert result.returncode != 0

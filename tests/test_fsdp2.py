@@ -13,6 +13,7 @@ from conftest import (
     REPO,
     copy_fsdp2_checkpoint,
     run_command,
+    script_with_lines,
     single_error_line,
     torchrun_command,
     warning_lines,
@@ -284,13 +285,12 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
     """The last step's loss is finite but its update leaves a weight NaN (put there by a line added
     to a copy of the script, as an overflowing update would): the run fails rather than save that
     model, and the newest checkpoint stays the step before."""
-    code = (REPO / SCRIPT).read_text()
-    step = "        loss, grad_norm = train_step(model, optimizer, tokens, args)\n"
-    nan = ("        if step == args.steps:\n"
-           "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
-    (tmp_path / SCRIPT).write_text(code.replace(step, step + nan, 1))
+    script = script_with_lines(
+        SCRIPT, tmp_path, "        loss, grad_norm = train_step(model, optimizer, tokens, args)\n",
+        "        if step == args.steps:\n"
+        "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
     args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1]
-    result = run_command(torchrun_command(tmp_path / SCRIPT, args, 2), tmp_path, timeout=120)
+    result = run_command(torchrun_command(script, args, 2), tmp_path, timeout=120)
     assert "training diverged: a parameter is not finite" in single_error_line(result)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
