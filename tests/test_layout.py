@@ -1,7 +1,9 @@
-"""The scripts read as lessons: the lesson first, one fenced plumbing block at the end, the same in
-all four; and the README stays short and names only flags that exist."""
+"""The scripts read as lessons: the lesson first, then its safeguards, then one fenced plumbing
+block, the same in all four; and the README stays short and names only flags that exist."""
 import ast
+import io
 import re
+import tokenize
 
 import pytest
 from conftest import REPO
@@ -14,12 +16,60 @@ LESSONS = {
     "t5_fsdp_finetune.py": ("load_model_and_tokenizer", "wrap_model", "train"),
 }
 FENCE = "# " + "=" * 98 + "\n# Plumbing"
+SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
+# Lines before the Safeguards fence (docstring and imports included): the lesson must not grow back
+# under the checks that protect it.
+BUDGETS = {"fsdp2_transformer.py": 450, "t5_fsdp_finetune.py": 420, "fsdp1_mnist.py": 250,
+           "ddp_mnist.py": 200}
+# The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
+# not only in the safeguards).
+ESSENTIAL = {
+    "fsdp2_transformer.py": [
+        "fully_shard(", "MixedPrecisionPolicy(", "CPUOffloadPolicy(",
+        ".set_modules_to_forward_prefetch(", ".set_modules_to_backward_prefetch(",
+        ".set_requires_gradient_sync(", "clip_grad_norm_(", ".to_empty(", ".reset_parameters(",
+        ".full_tensor(", "distribute_tensor(", "dcp.save(", "dcp.async_save(", "dcp.load(",
+        "get_model_state_dict(", "set_model_state_dict(", "init_device_mesh(", ".unshard(",
+        "torch.optim.AdamW(", "checkpoint(", ".compile("],
+    "t5_fsdp_finetune.py": [
+        "FSDP(", "transformer_auto_wrap_policy", "MixedPrecision(", "ShardedGradScaler(",
+        "apply_activation_checkpointing(", "BackwardPrefetch", "ShardingStrategy",
+        "get_model_state_dict(", "dcp.save(", "dcp.load(", "DistributedSampler(",
+        "optim.AdamW(", "StepLR("],
+    "fsdp1_mnist.py": [
+        "FSDP(", "size_based_auto_wrap_policy", "ShardingStrategy", "BackwardPrefetch",
+        "CPUOffload(", "get_model_state_dict(", "DistributedSampler(", "optim.Adadelta(",
+        "StepLR("],
+    "ddp_mnist.py": [
+        "DistributedDataParallel(", "get_model_state_dict(", "DistributedSampler(",
+        "optim.Adadelta(", "StepLR("],
+}
 
 
 def plumbing(script):
     text = (REPO / script).read_text()
     assert text.count(FENCE) == 1, f"{script} has no single fenced plumbing block"
     return text[text.index(FENCE):]
+
+
+def parts(script):
+    """(lesson, safeguards) source text: before the Safeguards fence, and from it to Plumbing."""
+    text = (REPO / script).read_text()
+    assert text.count(SAFEGUARDS) == 1, f"{script} has no single fenced Safeguards block"
+    assert text.index(SAFEGUARDS) < text.index(FENCE), "Safeguards come before the Plumbing"
+    return text[:text.index(SAFEGUARDS)], text[text.index(SAFEGUARDS):text.index(FENCE)]
+
+
+def code_only(source):
+    """source without its comments and string literals (docstrings included)."""
+    kept = [token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
+            if token.type not in (tokenize.COMMENT, tokenize.STRING)]
+    return " ".join(kept).replace(" . ", ".").replace(" (", "(").replace(". ", ".")
+
+
+def definitions(source):
+    return [node for node in ast.parse(source).body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
 
 
 def test_plumbing_block_is_the_same_in_all_four_scripts():
@@ -32,23 +82,63 @@ def test_plumbing_block_is_the_same_in_all_four_scripts():
 @pytest.mark.parametrize("script", list(LESSONS))
 def test_the_lesson_comes_first(script):
     """Docstring (naming the wrapping function), imports, model/data, the wrap, the step, main and
-    argparse, in that order; every plumbing function only after them, in the fenced block."""
+    argparse, in that order, within the lesson's budget; then Safeguards; then Plumbing."""
     text = (REPO / script).read_text()
+    lesson, safeguards = parts(script)
     tree = ast.parse(text)
     model, wrap, step = LESSONS[script]
     assert f"{wrap}()" in ast.get_docstring(tree), (
         "the docstring must say where the FSDP/DDP part is")
+    lesson_lines = lesson.count("\n")
+    assert lesson_lines <= BUDGETS[script], f"the lesson has {lesson_lines} lines"
     fence_line = text[:text.index(FENCE)].count("\n") + 1
-    names = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     lines = {node.name: node.lineno for node in tree.body
              if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    plumbing_names = {name for name in names if lines[name] > fence_line}
+    plumbing_names = {name for name in lines if lines[name] > fence_line}
     assert {"launch", "fail", "Report", "init_process_group"} <= plumbing_names
     order = [lines[name] for name in (model, wrap, step, "main", "parse_args")]
-    assert order == sorted(order) and order[-1] < fence_line, order
+    assert order == sorted(order) and order[-1] < lesson_lines, order
     first = min(lines.values())
     assert first == lines[model] or first < lines[wrap], "plumbing or helpers come before the model"
     assert all(len(line) <= 100 for line in text.splitlines())
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_the_essential_calls_are_in_the_lesson(script):
+    code = code_only(parts(script)[0])
+    missing = [call for call in ESSENTIAL[script] if call not in code]
+    assert missing == [], f"{script}: {missing} are not in the lesson's code"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_functions_take_the_values_they_use(script):
+    """Only main, parse_args and the safeguards that check flags (check_*) take `args`."""
+    lesson, safeguards = parts(script)
+    takers = []
+    for part, allowed in ((lesson, lambda name: name in ("main", "parse_args")),
+                          (safeguards, lambda name: name.startswith("check"))):
+        for node in ast.walk(ast.parse(part)):
+            if isinstance(node, ast.FunctionDef) and not allowed(node.name):
+                if "args" in [a.arg for a in node.args.args + node.args.kwonlyargs]:
+                    takers.append(node.name)
+    assert takers == [], f"{script}: {takers} take args; pass them the values they use"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_help_groups_the_flags(script):
+    """parse_args() puts its flags in named groups (model, data, FSDP, checkpointing, run...)."""
+    lesson = parts(script)[0]
+    parse_args = next(node for node in definitions(lesson) if node.name == "parse_args")
+    groups = [node for node in ast.walk(parse_args) if isinstance(node, ast.Call)
+              and getattr(node.func, "attr", None) == "add_argument_group"]
+    assert len(groups) >= 3, f"{script}: {len(groups)} argument groups"
+
+
+@pytest.mark.parametrize("script", ["fsdp1_mnist.py", "t5_fsdp_finetune.py"])
+def test_fsdp1_scripts_point_to_fsdp2(script):
+    """FSDP1 is the older API: its scripts say so and point new code to fsdp2_transformer.py."""
+    docstring = ast.get_docstring(ast.parse((REPO / script).read_text()))
+    assert "fsdp2_transformer.py" in docstring and "FSDP2" in docstring
 
 
 def test_readme_is_short():
