@@ -1,9 +1,9 @@
 """DDP (DistributedDataParallel) training of the MNIST CNN, on GPUs or on CPU.
 
-The baseline of fsdp1_mnist.py: the same program, with every rank holding a full replica of the
-model, its gradients and its optimizer state. The DDP part is wrap_model(). Compare the two with
---metrics-json (train_state_bytes, peak memory, time). After the PyTorch tutorial "Getting
-Started with FSDP", which compares FSDP with DDP on this model.
+The baseline of fsdp1_mnist.py: the same program, every rank holding a full replica of the model,
+its gradients and optimizer state (compare the two scripts' --metrics-json: train_state_bytes, peak
+memory, time). The DDP part is wrap_model(); main() is the recipe. After the PyTorch tutorial
+"Getting Started with FSDP", which compares FSDP with DDP on this model.
 
     python ddp_mnist.py                                # one process per GPU, or 2 CPU processes
     python ddp_mnist.py --cpu --world-size 4 --epochs 1
@@ -11,8 +11,8 @@ Started with FSDP", which compares FSDP with DDP on this model.
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         ddp_mnist.py
 
-CUDA + NCCL when a GPU is visible, else CPU + gloo. The "Plumbing" section at the end is the
-same in all four scripts and not part of the lesson.
+MNIST downloads into --data-dir (default data); offline, `python tests/digits_mnist.py data`
+writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
 """
 import argparse
 import datetime
@@ -64,82 +64,12 @@ class Net(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ data
-MNIST_FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k")
-               for kind in ("images-idx3", "labels-idx1")]
-
-
 def load_mnist(data_dir):
-    """MNIST's train and test sets, downloaded into data_dir (once per node) if missing."""
-    raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
+    """MNIST's train and test sets, normalized as in the tutorial, downloaded if missing."""
     normalize = transforms.Compose([transforms.ToTensor(),
                                     transforms.Normalize((0.1307,), (0.3081,))])
-    def load():
-        missing = not all(os.path.exists(os.path.join(raw_dir, name)) for name in MNIST_FILES)
-        made = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir)
-                if not os.path.exists(d)]
-        try:  # torchvision downloads only missing files
-            sets = [datasets.MNIST(data_dir, train=train, download=True, transform=normalize)
-                    for train in (True, False)]
-        except Exception as e:
-            if missing:  # a failed download leaves no empty folders behind
-                for folder in made[:1]:
-                    shutil.rmtree(folder, ignore_errors=True)
-                raise ValueError(  # the last line of torchvision's message says why
-                    f"MNIST is not in {raw_dir} and downloading it failed ("
-                    f"{str(e).strip().splitlines()[-1]}). On a machine with network run: python -c "
-                    "\"from torchvision.datasets import MNIST; MNIST('data', download=True)\" and "
-                    f"pass --data-dir data (or copy data/MNIST into {os.path.abspath(data_dir)}).")
-            problems = [idx_problem(os.path.join(raw_dir, name)) for name in MNIST_FILES]
-            raise ValueError(f"cannot read MNIST from {raw_dir} ("  # torchvision names no file
-                             f"{next(filter(None, problems), None) or repr(e)}); delete that "
-                             "folder to download it again.")
-        for dataset in sets:  # the files' headers were fine; do their contents agree?
-            problem = mnist_problem(dataset)
-            if problem:
-                raise ValueError(f"cannot use MNIST from {raw_dir} ({problem}); delete that "
-                                 "folder to download it again.")
-        return sets
-
-    return local_rank_zero_first(load)
-
-
-def mnist_problem(dataset):
-    """Why a loaded MNIST split cannot be trained on (image and label counts, sizes, labels)."""
-    images, labels, split = dataset.data, dataset.targets, "train" if dataset.train else "t10k"
-    if len(images) != len(labels):
-        return f"{split} has {len(images)} images but {len(labels)} labels"
-    if tuple(images.shape[1:]) != (28, 28):
-        return f"{split}'s images are {'x'.join(map(str, images.shape[1:]))} pixels, not 28x28"
-    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) <= 9:
-        return f"{split} has labels outside 0-9 (from {int(labels.min())} to {int(labels.max())})"
-    return None
-
-
-def local_rank_zero_first(load):
-    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
-    caches are written once per node. A ValueError on any rank stops every rank with its text."""
-    result = None
-    for first in (True, False):
-        error = None
-        if (os.environ["LOCAL_RANK"] == "0") == first:
-            try:
-                result = load()
-            except ValueError as e:
-                error = str(e)
-        agree_on_error(error)
-    return result
-
-
-def idx_problem(path):
-    """Why path is not a complete IDX file (MNIST's format), or None."""
-    with open(path, "rb") as f:  # it exists: torchvision would have downloaded it otherwise
-        data = f.read()
-    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
-        return f"{os.path.basename(path)} does not start with an IDX header"
-    size = 4 + 4 * data[3] + math.prod(int.from_bytes(data[i:i + 4], "big")
-                                       for i in range(4, 4 + 4 * data[3], 4))
-    if len(data) != size:
-        return f"{os.path.basename(path)} has {len(data)} bytes, its header says {size}: truncated?"
+    return [datasets.MNIST(data_dir, train=train, download=True, transform=normalize)
+            for train in (True, False)]
 
 
 # ------------------------------------------------------------------------------------------- DDP
@@ -211,18 +141,22 @@ def save_model(model, path="mnist_cnn.pt"):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
+    # 1. Seed, and check the outputs before any work.
     torch.manual_seed(args.seed)
     check_outputs(args, {}, {"--save-model": args.save_model and "mnist_cnn.pt"})
-    train_set, test_set = load_mnist(args.data_dir)
+    # 2. Data: every rank reads its own part of each set (DistributedSampler).
+    train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # one-line errors
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
                               sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
     test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_kwargs,
                              sampler=DistributedSampler(test_set, shuffle=False))
-
+    # 3. The model, replicated on every rank by DDP.
     model = wrap_model(Net(), device)
+    # 4. The optimizer, over the replica's parameters; lr decays every epoch.
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    # 5. Train and test, epoch by epoch.
     report, train_losses = Report(args, device), []
     for epoch in range(1, args.epochs + 1):
         train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
@@ -230,21 +164,17 @@ def main(args, device):
         scheduler.step()
         report.lap()
     report.training_done(model, optimizer)  # the last step's gradients are still held
+    # 6. Save the full state dict (rank 0) and the metrics.
     checkpoint = save_model(model) if args.save_model else None
     report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint)
-
-
-# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
-MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
-DIVERGED = "try a smaller --lr"
 
 
 def parse_args():
     parser = RankZeroArgumentParser(
         description="PyTorch MNIST example with DDP (DistributedDataParallel)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = parser.add_argument
+    add = parser.add_argument_group("training").add_argument
     add("--batch-size", type=positive(int), default=64, metavar="N", help="batch per process")
     add("--test-batch-size", type=positive(int), default=1000, metavar="N", help="test batch")
     add("--epochs", type=positive(int), default=10, metavar="N", help="number of epochs to train")
@@ -252,18 +182,110 @@ def parse_args():
         help="Adadelta learning rate, at most 1e30 (much larger ones overflow float32)")
     add("--gamma", type=positive(float, zero=True, most=1), default=0.7, metavar="M",
         help="learning rate step gamma per epoch")
-    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
-    add("--dry-run", action="store_true", help="one training and one test batch per epoch")
     add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=1, metavar="S",
         help="random seed (init, dropout, shuffling)")
-    add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
-    add("--data-dir", default="../data", help="folder of MNIST/raw; downloaded there if missing")
+    add("--dry-run", action="store_true", help="one training and one test batch per epoch")
+    add = parser.add_argument_group("data").add_argument
+    add("--data-dir", default="data", help="folder of MNIST/raw; downloaded there if missing")
+    add = parser.add_argument_group("run").add_argument
+    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
     add("--world-size", type=positive(int), metavar="N", help="processes to start without "
         "torchrun (None: one per GPU, or 2 on CPU)")
     add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
         "for a lost or hung peer before the job fails (longer than the MNIST download)")
+    add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
     add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
     return parser.parse_args()
+
+
+# ==================================================================================================
+# Safeguards: this script's own checks and one-line errors (its MNIST files, their download). The
+# lesson calls each in one line; they are not part of it.
+# ==================================================================================================
+
+# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
+MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
+DIVERGED = "try a smaller --lr"
+MNIST_FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k")
+               for kind in ("images-idx3", "labels-idx1")]
+
+
+def checked_mnist(data_dir, load):
+    """load(data_dir), MNIST's (train, test) sets, on each node's local rank 0 first (which
+    downloads missing files once per node), then on the node's other ranks. A failed download,
+    a file torchvision cannot read, or contents that cannot be trained on stop every rank with
+    one line saying what to do; a failed download leaves no empty folders behind."""
+    raw_dir = os.path.join(os.path.abspath(data_dir), "MNIST", "raw")
+
+    def load_and_check():
+        missing = not all(os.path.exists(os.path.join(raw_dir, name)) for name in MNIST_FILES)
+        made = [d for d in (os.path.abspath(data_dir), os.path.dirname(raw_dir), raw_dir)
+                if not os.path.exists(d)]
+        try:  # torchvision downloads only missing files
+            sets = load(data_dir)
+        except Exception as e:
+            if missing:  # a failed download leaves no empty folders behind
+                for folder in made[:1]:
+                    shutil.rmtree(folder, ignore_errors=True)
+                raise ValueError(  # the last line of torchvision's message says why
+                    f"MNIST is not in {raw_dir} and downloading it failed ("
+                    f"{str(e).strip().splitlines()[-1]}). On a machine with network, python -c "
+                    "\"from torchvision.datasets import MNIST; MNIST('data', download=True)\" "
+                    "downloads it into data/MNIST: copy that into "
+                    f"{os.path.abspath(data_dir)} or pass --data-dir data; or, offline, python "
+                    f"tests/digits_mnist.py {data_dir} (in this repository) writes MNIST-format "
+                    "files there from scikit-learn's digits.")
+            problems = [idx_problem(os.path.join(raw_dir, name)) for name in MNIST_FILES]
+            raise ValueError(f"cannot read MNIST from {raw_dir} ("  # torchvision names no file
+                             f"{next(filter(None, problems), None) or repr(e)}); delete that "
+                             "folder to download it again.")
+        for dataset in sets:  # the files' headers were fine; do their contents agree?
+            problem = mnist_problem(dataset)
+            if problem:
+                raise ValueError(f"cannot use MNIST from {raw_dir} ({problem}); delete that "
+                                 "folder to download it again.")
+        return sets
+
+    return local_rank_zero_first(load_and_check)
+
+
+def mnist_problem(dataset):
+    """Why a loaded MNIST split cannot be trained on (image and label counts, sizes, labels)."""
+    images, labels, split = dataset.data, dataset.targets, "train" if dataset.train else "t10k"
+    if len(images) != len(labels):
+        return f"{split} has {len(images)} images but {len(labels)} labels"
+    if tuple(images.shape[1:]) != (28, 28):
+        return f"{split}'s images are {'x'.join(map(str, images.shape[1:]))} pixels, not 28x28"
+    if len(labels) and not 0 <= int(labels.min()) <= int(labels.max()) <= 9:
+        return f"{split} has labels outside 0-9 (from {int(labels.min())} to {int(labels.max())})"
+    return None
+
+
+def local_rank_zero_first(load):
+    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
+    caches are written once per node. A ValueError on any rank stops every rank with its text."""
+    result = None
+    for first in (True, False):
+        error = None
+        if (os.environ["LOCAL_RANK"] == "0") == first:
+            try:
+                result = load()
+            except ValueError as e:
+                error = str(e)
+        agree_on_error(error)
+    return result
+
+
+def idx_problem(path):
+    """Why path is not a complete IDX file (MNIST's format), or None."""
+    with open(path, "rb") as f:  # it exists: torchvision would have downloaded it otherwise
+        data = f.read()
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08":
+        return f"{os.path.basename(path)} does not start with an IDX header"
+    size = 4 + 4 * data[3] + math.prod(int.from_bytes(data[i:i + 4], "big")
+                                       for i in range(4, 4 + 4 * data[3], 4))
+    if len(data) != size:
+        return f"{os.path.basename(path)} has {len(data)} bytes, its header says {size}: truncated?"
 
 
 # ==================================================================================================

@@ -1,42 +1,28 @@
 """FSDP2 (fully_shard) training of a small causal Transformer, on GPUs or on CPU.
 
-It teaches the FSDP2 recipe - build on the meta device, fully_shard each block and then the root,
-to_empty + reset_parameters, optimizer after sharding - with the options of the PyTorch FSDP2
-guide (explicit prefetching, bf16 mixed precision, clipping, resharding, CPU offload, gradient
-accumulation) and resumable checkpoints through the DTensor or the DCP API. The FSDP2 part is
-shard_model(); describe_sharding() prints what it built. The data: a synthetic next-token task.
+The recipe of the PyTorch FSDP2 guide - build on the meta device, fully_shard each block and then
+the root, to_empty + reset_parameters, optimizer after sharding - with the guide's options and
+torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, activation checkpointing, compile).
+Read shard_model() (the FSDP2 part), train_step(), Checkpointer (the checkpoint calls) and main()
+(the recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
 
     python fsdp2_transformer.py                      # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
-    torchrun --nproc_per_node 2 fsdp2_transformer.py --checkpoint-dir ckpt --save-every 50 --dcp-api
-    torchrun --nproc_per_node 2 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        fsdp2_transformer.py --dim 1024 --n-layers 16 --n-heads 16 --batch-size 256
+    torchrun --nproc_per_node 8 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt \\
+        --checkpoint-format sharded --async-checkpoint
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo. --batch-size is the global batch: every world
-size trains on the same data. The "Plumbing" section at the end is the same in all four scripts.
+size trains on the same data. Below the "Safeguards" fence: this script's checks, checkpoint
+markers, figures and workarounds; below "Plumbing": the same in all four scripts.
 """
 import argparse
-import datetime
-import fcntl
-import gc
-import glob
-import json
+import functools
 import math
 import os
-import re
-import resource
-import shutil
-import socket
-import sys
-import tempfile
-import threading
-import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (
@@ -47,21 +33,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
 
 # ----------------------------------------------------------------------------------------- model
 @torch.no_grad()
 def init_(param, fill):
-    """Initialize param (a plain tensor or an FSDP2 DTensor shard) with fill(full tensor).
-
-    On CUDA, DTensor's random ops fill each rank's shard with the numbers of its part of the full
-    tensor, so no rank ever holds a full tensor: the scalable init. They do that only on CUDA (on
-    a CPU mesh every rank draws the same numbers for its shard), so on CPU every rank draws the
-    full tensor from the same generator and keeps its shard: the same model at any world size."""
+    """Initialize param (a plain tensor or an FSDP2 DTensor shard) with fill(full tensor). On CUDA,
+    DTensor's random ops fill each rank's shard with its part of the full tensor's numbers (no rank
+    holds a full tensor); not on a CPU mesh, so there every rank draws the full tensor and keeps
+    its shard: the same model at any world size."""
     if param.device.type == "cuda":
         fill(param)
         return
@@ -70,17 +54,6 @@ def init_(param, fill):
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param, full = param.to_local(), full.to_local()
     param.copy_(full)
-
-
-def init_linear(linear):
-    init_(linear.weight, lambda t: nn.init.normal_(t, std=0.02))
-    if linear.bias is not None:
-        init_(linear.bias, nn.init.zeros_)
-
-
-def init_norm(norm):
-    init_(norm.weight, nn.init.ones_)
-    init_(norm.bias, nn.init.zeros_)
 
 
 class Attention(nn.Module):
@@ -98,10 +71,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # t sees positions <= t only
         return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
-    def reset_parameters(self):
-        init_linear(self.qkv)
-        init_linear(self.proj)
-
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
@@ -117,13 +86,6 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.attention_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
-    def reset_parameters(self):
-        init_norm(self.attention_norm)
-        self.attention.reset_parameters()
-        init_norm(self.mlp_norm)
-        init_linear(self.mlp[0])
-        init_linear(self.mlp[2])
-
 
 class Transformer(nn.Module):
     def __init__(self, vocab_size, dim, n_layers, n_heads, seq_len):
@@ -133,34 +95,30 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList([TransformerBlock(dim, n_heads) for _ in range(n_layers)])
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size)
-        self.activation_checkpointing = False  # see shard_model() and forward()
+        self.activation_checkpointing = False  # see shard_model()
         self.reset_parameters()  # a no-op on the meta device; after to_empty, call it again
 
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
-            if self.activation_checkpointing:  # keep only x; recompute the block in backward
-                x = checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        # Workaround: self.output(x) gives the same numbers, but F.linear of a 3-D input with a
-        # bias returns a view, and FSDP2 (torch 2.14) warns about every root output that is a
-        # view, since an in-place op on it would skip its hooks. matmul + bias makes no view.
-        return torch.matmul(self.norm(x), self.output.weight.t()) + self.output.bias
+            # Activation checkpointing keeps only x, and recomputes the block in backward.
+            x = checkpoint(layer, x, use_reentrant=False) if self.activation_checkpointing else (
+                layer(x))
+        return output_logits(self.norm(x), self.output)
 
     def reset_parameters(self):
-        """Initialize every parameter of the model, the blocks' included."""
-        init_(self.tok_embeddings.weight, lambda t: nn.init.normal_(t, std=0.02))
-        init_(self.pos_embeddings.weight, lambda t: nn.init.normal_(t, std=0.02))
-        for layer in self.layers:
-            layer.reset_parameters()
-        init_norm(self.norm)
-        init_linear(self.output)
+        """Initialize every parameter, the blocks' included: all submodules, in model order."""
+        for module in self.modules():
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                init_(module.weight, lambda t: nn.init.normal_(t, std=0.02))
+            elif isinstance(module, nn.LayerNorm):
+                init_(module.weight, nn.init.ones_)
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+                init_(module.bias, nn.init.zeros_)
 
 
-def model_config(args):
-    return {k: getattr(args, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")}
+MODEL_FLAGS = ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")  # Transformer's arguments
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -174,12 +132,9 @@ def task_rules(vocab_size, seed):
 
 
 def global_batch(rules, step, batch_size, seq_len, seed):
-    """The whole batch of `step` (seq_len + 1 tokens per row), a function of (seed, step) only.
-
-    Each row picks one hidden rule and a start token and follows x[t+1] = rule[x[t]]. The first
-    next token can only be guessed among NUM_RULES; after that it is exact for a model that works
-    out the rule from the previous pair of tokens, which needs attention (a bigram model stays at
-    ln NUM_RULES)."""
+    """The whole batch of `step`, a function of (seed, step) only: each row follows one hidden
+    rule from a random start token, x[t+1] = rule[x[t]]. After the first token, a model that works
+    out the rule from the previous pair (attention) predicts exactly; a bigram stays at ln 4."""
     generator = torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
     rule = rules[torch.randint(NUM_RULES, (batch_size,), generator=generator)]
     tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
@@ -189,40 +144,47 @@ def global_batch(rules, step, batch_size, seq_len, seed):
     return tokens
 
 
+def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step):
+    """This rank's rows of step's global batch: what the DataLoader's worker builds (see main)."""
+    rows = batch_size // world_size
+    tokens = global_batch(rules, step, batch_size, seq_len, seed)[rank * rows:(rank + 1) * rows]
+    return tokens.clone()  # only these rows travel from the worker
+
+
 # ----------------------------------------------------------------------------------------- FSDP2
-def shard_model(args, device, mesh):
-    """Build on the meta device (no memory), shard each block and then the root with fully_shard,
-    then materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a
-    2-D mesh (--replicate-degree > 1) fully_shard does HSDP: it shards along the mesh's second
-    dimension and replicates along the first."""
+def shard_model(config, device, mesh, reshard_after_forward=True, mixed_precision=False,
+                cpu_offload=False, compile=False, activation_checkpointing=False, prefetch=0):
+    """Build on the meta device (no memory), fully_shard each block and then the root, then
+    materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a 2-D
+    mesh fully_shard does HSDP: shards along the second dimension, replicates along the first.
+    prefetch > 0: explicit prefetching of that many blocks, not the implicit one block ahead."""
     with torch.device("meta"):
-        model = Transformer(**model_config(args))
-    model.activation_checkpointing = args.activation_checkpointing
-    fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": not args.no_reshard_after_forward}
-    if args.mixed_precision:  # compute in bf16, reduce gradients in fp32
+        model = Transformer(**config)
+    model.activation_checkpointing = activation_checkpointing
+    fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision:  # compute in bf16, reduce gradients in fp32
         fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                         reduce_dtype=torch.float32)
-    if args.cpu_offload:
+    if cpu_offload:  # shards, gradients and the optimizer step in host memory
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in model.layers:  # each block: one all-gather in forward, one reduce-scatter after
-        if args.compile:  # in place, before fully_shard, as torchtitan does: the names stay
+        if compile:  # in place, before fully_shard, as torchtitan does: the names stay
             layer.compile(fullgraph=True)
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm and output
-    model.to_empty(device="cpu" if args.cpu_offload else device)  # offloaded shards: host memory
+    model.to_empty(device="cpu" if cpu_offload else device)
     model.reset_parameters()
-    if args.explicit_prefetching:  # instead of FSDP2's implicit one-block-ahead prefetching
-        blocks = list(model.layers)
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + args.prefetch_depth])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - args.prefetch_depth):i][::-1])
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks if prefetch else []):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     return model
 
 
-def describe_sharding(model, mixed_precision):
-    """Check and print what fully_shard built, read from the model: float32 DTensor parameters
-    sharded Shard(0) (and replicated across the first mesh dimension under HSDP), the FSDP units
-    and their prefetch plan, compiled and checkpointed blocks, bf16 under mixed precision."""
+def check_sharding(model, mixed_precision):
+    """What fully_shard built, checked with public calls: every parameter a float32 DTensor
+    sharded Shard(0) (HSDP: replicated on the first mesh dimension); unsharded bf16 under mixed
+    precision."""
     params = list(model.parameters())
     mesh = params[0].device_mesh
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
@@ -234,37 +196,25 @@ def describe_sharding(model, mixed_precision):
     rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
                 f"float32 DTensors {layout}; rank 0 holds "
                 f"{sum(p.to_local().numel() for p in params):,} values")
-    compiled = sum(layer._compiled_call_impl is not None for layer in model.layers)  # private
-    rank0_print(f"Blocks compiled: {compiled} of {len(model.layers)}; activation checkpointing: "
-                f"{'every block' if model.activation_checkpointing else 'none'}")
-    units = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    names = {module._get_fsdp_state(): name for name, module in units}
-    for name, module in units:
-        state = module._get_fsdp_state()  # private: torch 2.14 has no public getter for the plan
-        group = state._fsdp_param_group
-        size = sum(p.sharded_param.numel() for p in group.fsdp_params)
-        reshard = group.post_forward_mesh_info is not None and module is not model  # root: never
-        forward = [names[s] for s in state._states_to_forward_prefetch]
-        backward = [names[s] for s in state._states_to_backward_prefetch]
-        rank0_print(f"  FSDP unit {name}: {size:,} parameters, reshard after forward {reshard}, "
-                    f"explicit prefetch: forward {forward}, backward {backward}")
-    if mixed_precision:  # unshard as a forward would, and look at what it computes with
-        for _, module in units:
-            module.unshard()
+    if mixed_precision:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
         dtypes = {p.dtype for p in model.parameters()}
-        for _, module in units:
-            module.reshard()
+        for unit in units:
+            unit.reshard()
         if dtypes != {torch.bfloat16}:
             fail(f"unsharded parameters are {dtypes}, not bfloat16, under --mixed-precision")
         rank0_print("Unsharded parameters are bfloat16 (gradients are reduced in float32)")
 
 
 # ------------------------------------------------------------------------------------------ step
-def train_step(model, optimizer, tokens, args):
-    """One optimizer step on this rank's rows of the global batch; returns (global mean loss,
-    gradient norm)."""
+def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
+    """One optimizer step on this rank's rows of the global batch. Returns the loss summed over
+    ranks and the gradient norm as device tensors: reading them (.item()) would make the host wait
+    for the GPU, so the caller reads them once the next step is queued."""
     optimizer.zero_grad()
-    micro_batches = tokens.chunk(args.grad_accum_steps)
+    micro_batches = tokens.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=tokens.device)
     for i, micro in enumerate(micro_batches):
         # Reduce-scatter after the last micro-batch only; until then gradients add up unsharded.
@@ -277,206 +227,530 @@ def train_step(model, optimizer, tokens, args):
         loss.backward()
         loss_sum += loss.detach()
     # The norm of DTensor gradients is the norm of the whole (unsharded) gradient; inf: no clip.
-    max_norm = args.max_norm if args.max_norm > 0 else math.inf
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
     optimizer.step()
-    dist.all_reduce(loss_sum)
-    grad_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-    return loss_sum.item() / dist.get_world_size(), grad_norm.item()
+    dist.all_reduce(loss_sum)  # under NCCL queued on the GPU: the host goes on
+    return loss_sum, grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
 # ------------------------------------------------------------------------------------ checkpoint
-MODEL_FILE, OPTIMIZER_FILE, MARKER_FILE = "model.pt", "optimizer.pt", "COMPLETE"
-
-
 class Checkpointer:
-    """Saves <checkpoint-dir>/step_000050/ checkpoints; resumes from the newest complete one.
+    """Saves model and optimizer state as <folder>/step_000050/; resumes from the newest. full:
+    rank 0 gathers the whole state (DTensor API, or DCP's state-dict API with --dcp-api) and writes
+    model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes only
+    its shards with dcp.save; asynchronously, they are copied to host memory and written in the
+    background while training goes on. Both resume at any world size. CheckpointFolder (in the
+    safeguards) writes under a temporary name, marks complete, and checks what a resume reads."""
 
-    full: rank 0 gathers the whole state (DTensor API, or the DCP state-dict API with --dcp-api)
-    and writes model.pt, a plain state dict of Transformer, and optimizer.pt, keyed by parameter
-    name: plain files, but rank 0 must hold the whole state in host memory.
-    sharded: every rank writes only its own shards with dcp.save (torchtitan's format), so no rank
-    ever holds a full tensor. With --async-checkpoint, dcp.async_save copies the shards to host
-    memory and writes them in a background thread while training goes on.
-    Both resume at any world size. A checkpoint is written into step_000050.tmp; rank 0 adds the
-    COMPLETE marker (the step, the model sizes, the format) last and renames it to step_000050."""
-
-    def __init__(self, args):
-        self.args, self.pending, self.error = args, None, None  # pending: an async save's future
-        self.marked = threading.Event()  # rank 0 has marked the async save complete (or failed)
-        # Background writes run their collectives on a process group of their own, so that they
-        # never interleave with the training's (as torchtitan does).
-        self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+    def __init__(self, folder, checkpoint_format, dcp_api, async_save, config):
+        self.format, self.dcp_api, self.pending = checkpoint_format, dcp_api, None
+        self.folder = CheckpointFolder(folder, checkpoint_format, config)
+        # The background write runs its collectives on a process group of its own, so that they
+        # never interleave with training's (as torchtitan does).
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.stager = ReusedStager() if async_save else None
 
     def save(self, model, optimizer, step):
-        self.finish()  # one save at a time
-        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
-        path = os.path.abspath(os.path.join(self.args.checkpoint_dir, f"step_{step:06d}"))
-        if self.args.checkpoint_format == "full":
-            model_state, optim_state = gather_full_state(model, optimizer, self.args.dcp_api)
-            files = [(MODEL_FILE, model_state), (OPTIMIZER_FILE, optim_state)]
-            self.mark_complete(step, path, files)
-            agree_on_error(self.error)
-            return path
-        state = {"model": get_model_state_dict(model),  # this rank's shards, as DTensors
-                 "optimizer": get_optimizer_state_dict(model, optimizer)}
-        if dist.get_rank() == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
-        dist.barrier()
-        if not self.args.async_checkpoint:
-            dcp.save(state, checkpoint_id=f"{path}.tmp")
-            self.mark_complete(step, path)
-            agree_on_error(self.error)
-            return path
-        self.pending = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group)
-        if dist.get_rank() == 0:  # DCP's coordinator finishes last, once every shard is written
-            self.marked.clear()
-            self.pending.add_done_callback(lambda done: self.mark_complete(step, path, done=done))
-        return path
+        """Returns the seconds training was paused for."""
+        path = self.folder.begin(step, model, self)  # step_N.tmp, once the save before is done
+        with self.folder.writing(path):  # a failed write stops every rank in one line
+            if self.format == "full":
+                model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
+                if dist.get_rank() == 0:
+                    torch.save(model_state, os.path.join(path, "model.pt"))
+                    torch.save(optim_state, os.path.join(path, "optimizer.pt"))
+            else:
+                state = {"model": get_model_state_dict(model),  # this rank's shards: DTensors
+                         "optimizer": get_optimizer_state_dict(model, optimizer)}
+                if self.stager is None:
+                    dcp.save(state, checkpoint_id=path)
+                else:  # returns once the state is copied; the future says when it is written
+                    self.pending = dcp.async_save(state, checkpoint_id=path,
+                                                  process_group=self.group,
+                                                  async_stager=self.stager)
+        return self.folder.end(step, path, self.pending)  # marked complete (async: once written)
 
-    def finish(self):
-        """Wait for the async save in flight, if any, and for rank 0 to have marked it."""
-        if self.pending:
-            self.pending.exception()  # waits; a failed write is reported by mark_complete
-            if dist.get_rank() == 0:
-                self.marked.wait()
-            self.pending = None
-            agree_on_error(self.error)
-
-    def mark_complete(self, step, path, files=(), done=None):
-        """Rank 0 writes the files it holds, then the marker, then renames step_N.tmp to step_N.
-        Called in the background thread for an async save: errors wait for finish()."""
-        try:
-            if done is not None and done.exception() is not None:  # the async write failed
-                raise OSError(" ".join(str(done.exception()).split())[:300])
-            if dist.get_rank() == 0:
-                os.makedirs(f"{path}.tmp", exist_ok=True)
-                for name, state in files:
-                    torch.save(state, os.path.join(f"{path}.tmp", name))
-                with open(os.path.join(f"{path}.tmp", MARKER_FILE), "w") as f:
-                    json.dump({"step": step, "model": model_config(self.args),
-                               "format": self.args.checkpoint_format}, f)
-                shutil.rmtree(path, ignore_errors=True)  # the same step of an earlier run
-                os.replace(f"{path}.tmp", path)
-                rank0_print(f"Saved checkpoint {path}" + (" (in the background)" if done else ""))
-        except OSError as e:
-            self.error = f"cannot write checkpoint {path} ({e}); pass a writable --checkpoint-dir"
-        finally:
-            self.marked.set()
+    def wait(self):
+        """Wait for the background write of the last save, if any (one save at a time)."""
+        self.pending = self.folder.finished(self.pending)  # None: written and marked complete
 
     def load(self, model, optimizer):
-        """Resume from the newest complete checkpoint; returns its step (0: none). Rank 0 checks
-        it; a full one only rank 0 reads, and the others receive the state through collectives;
-        a sharded one every rank reads, taking the parts of its own shards."""
-        found, full_state, error = [None], (None, None), None
-        if dist.get_rank() == 0:
-            path = find_checkpoint(self.args.checkpoint_dir)
-            if path:
-                found[0], full_state, error = read_checkpoint(path, model, self.args)
-        agree_on_error(error)
-        dist.broadcast_object_list(found, src=0)  # (step, path, format): all must know
-        if found[0] is None:
-            rank0_print(f"No checkpoint in {self.args.checkpoint_dir}: starting from step 0")
+        """Resume from the newest complete checkpoint; returns its step (0: none)."""
+        step, path, checkpoint_format, full_state = self.folder.newest(model)  # checked
+        if step == 0:
             return 0
-        step, path, checkpoint_format = found[0]
-        if checkpoint_format == "sharded":
-            load_sharded(model, optimizer, path)
-        elif self.args.dcp_api:  # DCP state-dict API: rank 0's full state, broadcast and sharded
+        if checkpoint_format == "sharded":  # every rank reads the parts of its own shards
+            state = {"model": get_model_state_dict(model),
+                     "optimizer": get_optimizer_state_dict(model, optimizer)}
+            with self.folder.reading(path):
+                dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        elif self.dcp_api:  # rank 0 has read the full state (the others: None): broadcast it
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             set_model_state_dict(model, full_state[0] or {}, options=options)
             set_optimizer_state_dict(model, optimizer, full_state[1] or {}, options=options)
-        else:
-            load_with_dtensor_api(model, optimizer, *full_state)
+        else:  # every rank reads the full state
+            load_with_dtensor_api(model, optimizer, path)
         rank0_print(f"Resumed from {path} at step {step}")
         return step
 
 
 def gather_full_state(model, optimizer, dcp_api):
-    """The full model and optimizer state on rank 0's CPU; every rank takes part in gathering it,
-    and the others get empty dicts. The same result with either API."""
+    """The full model and optimizer state on rank 0's CPU (the other ranks get empty dicts);
+    every rank takes part in gathering it. The same result with either API."""
     if dcp_api:  # DCP state-dict API
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return (get_model_state_dict(model, options=options),
                 get_optimizer_state_dict(model, optimizer, options=options))
-    # DTensor API: full_tensor() all-gathers one tensor, so every rank calls it, in the same order.
     keep = dist.get_rank() == 0
-    model_state, optim_state = {}, {"state": {}, "param_groups": []}
-    for name, value in model.state_dict().items():
-        value = value.full_tensor()
-        if keep:
-            model_state[name] = value.cpu()
+
+    def full(value):  # DTensor API: every rank takes part in each all-gather; rank 0 keeps it
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        return value.cpu() if keep else None
+
     names = [name for name, _ in model.named_parameters()]  # the optimizer numbers them
-    for index, entries in optimizer.state_dict()["state"].items():  # step, exp_avg, exp_avg_sq
-        optim_state["state"][names[index]] = {}
-        for key, value in entries.items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            if keep:
-                optim_state["state"][names[index]][key] = value.cpu()
-    for group in optimizer.state_dict()["param_groups"]:
-        optim_state["param_groups"].append({**group, "params": [names[i] for i in group["params"]]})
-    return (model_state, optim_state) if keep else ({}, {})
+    optim_state = optimizer.state_dict()  # its state per parameter: step, exp_avg, exp_avg_sq
+    full_state = ({name: full(value) for name, value in model.state_dict().items()}, {
+        "state": {names[i]: {k: full(v) for k, v in entries.items()}
+                  for i, entries in optim_state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                         for group in optim_state["param_groups"]]})
+    return full_state if keep else ({}, {})
 
 
-def load_sharded(model, optimizer, path):
-    """Every rank reads the parts of the saved shards that make up its own shards: DCP reshards
-    a checkpoint written at another world size or mesh."""
-    state = {"model": get_model_state_dict(model),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
-    error = None
-    try:
-        dcp.load(state, checkpoint_id=path)  # raises on every rank if any rank fails
-    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
-        # A CheckpointException holds each failed rank's exception, with its traceback.
-        cause = next(iter(e.failures.values()))[0] if hasattr(e, "failures") else e
-        reason = " ".join(str(cause).split()).split(". ")[0][:200]  # its first sentence
-        error = (f"cannot read checkpoint {path} ({type(cause).__name__}: {reason}); delete it to "
-                 "resume from the checkpoint before it, or pass --no-resume")
-    agree_on_error(error)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+def load_with_dtensor_api(model, optimizer, path):
+    """Every rank reads the full state, memory-mapped (not copied into memory), and keeps its own
+    shards: distribute_tensor with src_data_rank=None slices locally, without communication."""
+    def shard(full, like):
+        return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements,
+                                 src_data_rank=None)
 
-
-def load_with_dtensor_api(model, optimizer, model_state, optim_state):
-    """Shard rank 0's full state (the other ranks pass None) into the model and the optimizer:
-    distribute_tensor scatters each tensor from rank 0 as the parameter is sharded."""
+    model_state, optim_state = (torch.load(os.path.join(path, name), mmap=True, weights_only=True)
+                                for name in ("model.pt", "optimizer.pt"))
     params = dict(model.named_parameters())
-    sharded = {}
-    for name, param in params.items():
-        sharded[name] = distribute_from_rank0(model_state and model_state[name], param)
-    model.load_state_dict(sharded)
-    # The optimizer's hyperparameters and step counts are small: they travel as Python objects,
-    # with None in place of each tensor, which is then scattered.
-    layout = None
-    if optim_state:
-        layout = {"param_groups": optim_state["param_groups"], "state": {}}
-        for name, entries in optim_state["state"].items():
-            layout["state"][name] = {k: v if v.dim() == 0 else None for k, v in entries.items()}
-    box = [layout]
-    dist.broadcast_object_list(box, src=0)
-    names, state = list(params), {}
-    for name, entries in box[0]["state"].items():
-        state[names.index(name)] = dict(entries)
-        for key, value in entries.items():
-            if value is None:
-                full = optim_state and optim_state["state"][name][key]
-                state[names.index(name)][key] = distribute_from_rank0(full, params[name])
-    groups = [{**group, "params": [names.index(n) for n in group["params"]]}
-              for group in box[0]["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    model.load_state_dict({name: shard(model_state[name], p) for name, p in params.items()})
+    names = list(params)  # the optimizer numbers the parameters, which the file names
+    optimizer.load_state_dict({
+        "state": {names.index(name): {k: v if v.dim() == 0 else shard(v, params[name])
+                                      for k, v in entries.items()}
+                  for name, entries in optim_state["state"].items()},
+        "param_groups": [{**group, "params": [names.index(n) for n in group["params"]]}
+                         for group in optim_state["param_groups"]]})
 
 
-def distribute_from_rank0(full, like):
-    """Shard `full`, which only rank 0 holds (the others pass None), as the DTensor like is."""
-    if full is None:
-        full = torch.empty(like.shape, dtype=like.dtype)  # only its shape is used: rank 0 sends
-    # Scattered on the mesh's device, also when --cpu-offload keeps the shards in host memory.
-    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements,
-                             src_data_rank=0)
+# ------------------------------------------------------------------------------------------ main
+def main(args, device):
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_flags(args, device, world_size)
+    check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
+    claim_checkpoint_dir(args.checkpoint_dir, args.no_resume, args.overwrite)
+    torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
+
+    # 1. The device mesh: 1-D for FSDP; 2-D for HSDP, R replicas each sharded over world size / R.
+    shape, names = ((world_size,), None) if args.replicate_degree == 1 else (
+        (args.replicate_degree, world_size // args.replicate_degree), ("replicate", "shard"))
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+    # 2. The model: built on the meta device, sharded, then materialized and initialized.
+    config = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
+    model = shard_model(config, device, mesh, not args.no_reshard_after_forward,
+                        args.mixed_precision, args.cpu_offload, args.compile,
+                        args.activation_checkpointing,
+                        args.prefetch_depth if args.explicit_prefetching else 0)
+    check_sharding(model, args.mixed_precision)
+    describe_fsdp(model)
+
+    # 3. The optimizer, after sharding: it holds the DTensor shards. Fused on CUDA (one kernel for
+    #    all tensors); foreach on CPU, where torch would otherwise loop over them one by one.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda",
+                                  foreach=device.type != "cuda")
+
+    # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any.
+    checkpointer = args.checkpoint_dir and Checkpointer(
+        args.checkpoint_dir, args.checkpoint_format, args.dcp_api, args.async_checkpoint, config)
+    start_step = checkpointer.load(model, optimizer) if checkpointer and not args.no_resume else 0
+
+    # 5. The data: on a GPU, a worker process builds the next batches while a step runs, in pinned
+    #    memory, so that the copy (non_blocking) overlaps with the step too. On CPU the step needs
+    #    the cores a worker would take: the batches are built in this process.
+    steps = range(start_step + 1, args.steps + 1)
+    make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
+                                   args.batch_size, args.seq_len, args.seed, rank, world_size)
+    cuda = device.type == "cuda"
+    loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
+                        pin_memory=cuda)
+
+    # 6. Train; every --save-every steps and at the last, save.
+    log = StepLog(Report(args, device), model, start_step, args.steps, args.log_every,
+                  args.batch_size * args.seq_len, args.mixed_precision, warmup=1 + args.compile)
+    for step, tokens in zip(steps, loader):
+        if args.explicit_prefetching:
+            model.unshard()  # start the root's all-gather before the step needs it
+        loss, grad_norm = train_step(model, optimizer, tokens.to(device, non_blocking=True),
+                                     args.grad_accum_steps, args.max_norm)
+        saving = checkpointer and (step % args.save_every == 0 or step == args.steps)
+        log.step(step, loss, grad_norm, check_now=saving)  # reads the previous step's
+        if saving:
+            log.paused(checkpointer.save(model, optimizer, step))
+    if checkpointer:
+        checkpointer.wait()  # for an asynchronous save still in flight
+    log.done(model, optimizer, checkpointer)  # the summary, memory and --metrics-json
+
+
+def parse_args():
+    parser = RankZeroArgumentParser(
+        description="FSDP2 (fully_shard) training of a small causal Transformer",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument_group("model and training").add_argument
+    add("--vocab-size", type=positive(int), default=128, metavar="N", help="vocabulary size")
+    add("--dim", type=positive(int), default=64, metavar="N", help="model width")
+    add("--n-layers", type=positive(int), default=2, metavar="N", help="Transformer blocks")
+    add("--n-heads", type=positive(int), default=4, metavar="N", help="heads (must divide --dim)")
+    add("--seq-len", type=positive(int), default=32, metavar="N", help="tokens per sequence")
+    add("--batch-size", type=positive(int), default=32, metavar="N", help="global batch")
+    add("--steps", type=positive(int), default=200, metavar="N", help="optimizer steps to train to")
+    add("--lr", type=positive(float, most=1e30), default=3e-3, metavar="LR",
+        help="AdamW learning rate, at most 1e30 (much larger ones overflow float32)")
+    add("--max-norm", type=positive(float, zero=True), default=1.0, metavar="X",
+        help="clip gradients (0: do not)")
+    add("--grad-accum-steps", type=positive(int), default=1, metavar="K",
+        help="split each rank's batch into K micro-batches; gradients are reduced after the last")
+    add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=0, metavar="S",
+        help="random seed (model init and the data)")
+    add = parser.add_argument_group("FSDP2 (torchtitan's flag in brackets)").add_argument
+    add("--explicit-prefetching", action="store_true", help="each block all-gathers the next "
+        "--prefetch-depth ones in forward and backward; each step starts the root's all-gather")
+    add("--prefetch-depth", type=positive(int), default=2, metavar="N", help="blocks to prefetch")
+    add("--mixed-precision", action="store_true", help="compute in bfloat16, reduce gradients in "
+        "float32 (the sharded parameters and optimizer state stay float32)")
+    add("--no-reshard-after-forward", action="store_true",
+        help="keep parameters gathered from forward to backward (FSDP1's SHARD_GRAD_OP, ZeRO-2)")
+    add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
+    add("--replicate-degree", type=positive(int), default=1, metavar="R", help="HSDP: R replicas, "
+        "each sharded over world size / R ranks (--parallelism.data_parallel_replicate_degree)")
+    add("--activation-checkpointing", action="store_true", help="recompute each block's "
+        "activations in backward (activation checkpointing mode full)")
+    add("--compile", action="store_true", help="torch.compile each block before sharding it "
+        "(--compile.enable)")
+    add = parser.add_argument_group("checkpoints").add_argument
+    add("--checkpoint-dir", metavar="DIR", help="save to DIR/step_N, resume from the newest there")
+    add("--save-every", type=positive(int), default=50, metavar="N", help="save every N steps "
+        "and at the last")
+    add("--checkpoint-format", default="full", choices=["full", "sharded"], help="full: rank 0 "
+        "writes plain model.pt/optimizer.pt; sharded: every rank writes its own shards with DCP "
+        "(--checkpoint.enable); both resume at any world size")
+    add("--dcp-api", action="store_true", help="full checkpoints with the DCP state-dict API, "
+        "not DTensor's full_tensor/distribute_tensor (the same files either way)")
+    add("--async-checkpoint", action="store_true", help="sharded checkpoints written in the "
+        "background by dcp.async_save (--checkpoint.async_mode async): training waits only for "
+        "the copy to host memory")
+    add("--no-resume", action="store_true", help="start at step 0 in a --checkpoint-dir that holds "
+        "no checkpoint (or with --overwrite)")
+    add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
+        "already in --checkpoint-dir")
+    add = parser.add_argument_group("run").add_argument
+    add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
+    add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
+    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
+        "torchrun (None: one per GPU, or 2 on CPU)")
+    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
+        "for a lost or hung peer before the job fails (longer than a checkpoint write)")
+    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
+    return parser.parse_args()
+
+
+# ==================================================================================================
+# Safeguards: this script's own checks and translations, not part of the lesson, which calls each
+# in one line: flag checks, the checkpoint folder (temporary names, completion markers, locks,
+# what a resume may read, write errors), the step log and its figures (tokens/s, TFLOP/s, MFU),
+# and the labelled workarounds of torch behaviours.
+# ==================================================================================================
+# The imports of the safeguards and of the plumbing (the lesson's own are at the top).
+import contextlib
+import datetime
+import fcntl
+import gc
+import glob
+import json
+import logging
+import re
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch.multiprocessing as mp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.elastic.multiprocessing.errors import record
+
+# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
+DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
+MEMORY_ADVICE = ("use a smaller --batch-size (or more --grad-accum-steps), --seq-len, --dim, "
+                 "--n-layers or --vocab-size, or --activation-checkpointing")
+
+
+def check_flags(args, device, world_size):
+    """Stop with one line when the flags cannot work together here: every check in one place."""
+    if args.cpu_offload and device.type != "cuda":
+        fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
+             "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
+             "or run on a GPU without --cpu).")
+    if args.dim % args.n_heads:
+        fail(f"--dim {args.dim} is not divisible by --n-heads {args.n_heads}: each head gets "
+             "dim / n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
+    if args.batch_size % (world_size * args.grad_accum_steps):
+        fail(f"--batch-size {args.batch_size} (the global batch) is not divisible by world size "
+             f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; use a multiple of "
+             f"{world_size * args.grad_accum_steps}.")
+    if world_size % args.replicate_degree:
+        fail(f"--replicate-degree {args.replicate_degree} does not divide the world size "
+             f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    if args.async_checkpoint and args.checkpoint_format != "sharded":
+        fail("--async-checkpoint writes sharded checkpoints in the background; add "
+             "--checkpoint-format sharded")
+    unused = [flag for flag, given in (("--dcp-api", args.dcp_api), ("--overwrite", args.overwrite),
+                                       ("--checkpoint-format sharded",
+                                        args.checkpoint_format == "sharded"))
+              if given and not args.checkpoint_dir]
+    if unused:
+        fail(f"{unused[0]} says how to save checkpoints, but without --checkpoint-dir none is "
+             "saved; add --checkpoint-dir DIR, or drop it")
+    if args.mixed_precision and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        fail("--mixed-precision computes in bfloat16, which this GPU does not support; drop it.")
+    if args.compile:  # fail now, in one line, rather than at the first step
+        # Workaround: on a machine with a CUDA toolkit but no GPU, inductor's first import of
+        # torch.utils.cpp_extension logs "No CUDA runtime is found, using CUDA_HOME=..." on every
+        # rank (torch 2.14), which says nothing about a CPU run. Remove when it no longer does.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        try:
+            torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
+        except Exception as e:
+            fail(f"--compile: torch.compile cannot build code here ({str(e).strip()[:200]}); "
+                 "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
+
+
+def output_logits(x, output):
+    """output(x), the logits.
+
+    Workaround: F.linear of a 3-D input with a bias returns a view, and FSDP2 (torch 2.14) warns
+    about every root output that is a view, since an in-place op on it would skip its hooks.
+    matmul + bias gives the same numbers and makes no view. Remove when FSDP2 stops warning."""
+    return torch.matmul(x, output.weight.t()) + output.bias
+
+
+def describe_fsdp(model):
+    """Print the FSDP units fully_shard built and their prefetch plan, compiled and checkpointed
+    blocks. torch 2.14 has no public getter for the plan: this reads FSDP2's private state."""
+    compiled = sum(layer._compiled_call_impl is not None for layer in model.layers)  # private
+    rank0_print(f"Blocks compiled: {compiled} of {len(model.layers)}; activation checkpointing: "
+                f"{'every block' if model.activation_checkpointing else 'none'}")
+    units = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    names = {module._get_fsdp_state(): name for name, module in units}
+    for name, module in units:
+        state = module._get_fsdp_state()
+        group = state._fsdp_param_group
+        size = sum(p.sharded_param.numel() for p in group.fsdp_params)
+        reshard = group.post_forward_mesh_info is not None and module is not model  # root: never
+        forward = [names[s] for s in state._states_to_forward_prefetch]
+        backward = [names[s] for s in state._states_to_backward_prefetch]
+        rank0_print(f"  FSDP unit {name}: {size:,} parameters, reshard after forward {reshard}, "
+                    f"explicit prefetch: forward {forward}, backward {backward}")
+
+
+def claim_checkpoint_dir(folder, no_resume, overwrite):
+    """Lock --checkpoint-dir for this job. --no-resume starts from step 0 in a folder that must
+    then hold no checkpoint: an older run's later checkpoints would be resumed instead of this
+    run's. --overwrite deletes them first (the Hugging Face convention: refuse a non-empty folder
+    unless told to)."""
+    if not folder:
+        return
+    lock_folder("--checkpoint-dir", folder)
+    old = sorted(glob.glob(os.path.join(folder, "step_*")))
+    if not no_resume or not old:
+        return
+    if not overwrite:
+        fail(f"--no-resume: --checkpoint-dir {folder} holds checkpoints of an earlier run "
+             f"({os.path.basename(old[-1])}...), which a later resume would mix with this run's; "
+             "add --overwrite to delete them, or pass another --checkpoint-dir")
+    dist.barrier()  # everyone has seen them before rank 0 deletes them
+    if dist.get_rank() == 0:
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+        rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
+
+
+class ReusedStager(AsyncStager):
+    """dcp.async_save's staging into host memory allocated at the first save and reused by every
+    later one (pinned on a GPU, so that the copy runs at full speed): training then pauses only
+    for the copy. allocated: the bytes each save allocated (0 after the first).
+
+    Workaround: DCP's DefaultStager(StagingOptions(use_pinned_memory=True)) does this, but in torch
+    2.11 a second save with the same stager fails (KeyError: <class 'type'>, pytorch/pytorch#183413,
+    torchtitan#3476), and a new stager per save allocates and pins anew (4.6 s for 12 GB on an
+    H100). These are the private helpers DCP builds its stagers on. Remove when the oldest torch
+    of requirements.txt reuses a DefaultStager."""
+    _synchronize_after_execute = False  # stage() returns once the copy is done
+
+    def __init__(self):
+        self.staged, self.allocated = None, []
+
+    def stage(self, state_dict):
+        new = self.staged is None
+        if new:
+            self.staged = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        self.allocated.append(sum(t.numel() * t.element_size() for t in tensors_of(self.staged))
+                              if new else 0)
+        _copy_state_dict(state_dict, self.staged, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies are done before training changes the weights
+        return self.staged
+
+
+def tensors_of(state):
+    """Every tensor (a DTensor's local shard) in a nested state dict."""
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, list) else []
+    for value in values:
+        if isinstance(value, (dict, list)):
+            yield from tensors_of(value)
+        elif torch.is_tensor(value):
+            yield value.to_local() if isinstance(value, DTensor) else value
+
+
+MARKER_FILE = "COMPLETE"  # written last into a checkpoint: the step, the model's sizes, the format
+
+
+class CheckpointFolder:
+    """The safeguards of --checkpoint-dir: a checkpoint is written into step_000050.tmp, rank 0
+    adds the COMPLETE marker (the step, the model sizes, the format) last and renames it to
+    step_000050; resume reads only complete folders whose marker fits this run. A failed write
+    stops every rank in one line, and nothing non-finite is ever saved."""
+
+    def __init__(self, root, checkpoint_format, config):
+        self.given, self.root, self.format, self.config = root, os.path.abspath(root), \
+            checkpoint_format, config
+        self.error, self.marked, self.last = None, threading.Event(), None
+
+    def begin(self, step, model, checkpointer):
+        """Wait for the save before (one at a time), check the model, and make step_N.tmp."""
+        self.started = time.perf_counter()
+        checkpointer.wait()
+        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
+        path = os.path.join(self.root, f"step_{step:06d}.tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    @contextlib.contextmanager
+    def writing(self, path):
+        """A failed write (full disk, I/O error) stops every rank in one line."""
+        error = None
+        try:
+            yield
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
+            cause = root_cause(e)
+            if not isinstance(cause, OSError) and "write" not in str(cause):
+                raise
+            error = f"cannot write checkpoint {path} ({one_line(cause)}); {self.advice()}"
+        agree_on_error(error)
+
+    def end(self, step, path, pending):
+        """Mark the checkpoint complete: now, or for an asynchronous save once it is written.
+        Returns the seconds training was paused."""
+        pause = time.perf_counter() - self.started
+        if pending is None:
+            self.mark_complete(step, path, pause)
+            agree_on_error(self.error)
+        elif dist.get_rank() == 0:  # DCP's coordinator finishes last, once every shard is written
+            self.marked.clear()
+            pending.add_done_callback(lambda done: self.mark_complete(step, path, pause, done))
+        return pause
+
+    def mark_complete(self, step, path, pause, done=None):
+        """Rank 0 writes the marker and renames step_N.tmp to step_N (for an asynchronous save:
+        in DCP's thread, so errors wait for finished())."""
+        final = path[:-len(".tmp")]
+        try:
+            if done is not None and done.exception() is not None:
+                raise done.exception()
+            if dist.get_rank() == 0:
+                with open(os.path.join(path, MARKER_FILE), "w") as f:
+                    json.dump({"step": step, "model": self.config, "format": self.format}, f)
+                shutil.rmtree(final, ignore_errors=True)  # the same step of an earlier run
+                os.replace(path, final)
+                rank0_print(f"Saved checkpoint {final}" + (" (in the background)" if done else "")
+                            + f", training paused {pause:.2f} s")
+            self.last = final
+        except (Exception, dcp.CheckpointException) as e:
+            self.error = f"cannot write checkpoint {path} ({one_line(root_cause(e))}); " + \
+                self.advice()
+        finally:
+            self.marked.set()
+
+    def finished(self, pending):
+        """Wait for an asynchronous save's write (pending: its future, or None) and for rank 0 to
+        have marked it complete; a failed write stops every rank here. Returns None."""
+        if pending:
+            pending.exception()  # waits; mark_complete has the error, if any
+            if dist.get_rank() == 0:
+                self.marked.wait()
+            agree_on_error(self.error)
+
+    def advice(self):
+        return (f"free space in {self.given} (or pass another --checkpoint-dir); a rerun resumes "
+                "from the last complete checkpoint")
+
+    @contextlib.contextmanager
+    def reading(self, path):
+        """A checkpoint that cannot be read stops every rank in one line."""
+        error = None
+        try:
+            yield
+        except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank
+            error = (f"cannot read checkpoint {path} ({one_line(root_cause(e))}); delete it to "
+                     "resume from the checkpoint before it, or pass --no-resume")
+        agree_on_error(error)
+
+    def newest(self, model):
+        """(step, path, format, full state) of the newest complete checkpoint, checked by rank 0;
+        (0, None, None, None) if there is none. The full state is rank 0's of a full checkpoint:
+        (model state, optimizer state); (None, None) on the other ranks or for a sharded one."""
+        found, full_state, error = [None], (None, None), None
+        if dist.get_rank() == 0:
+            path = find_checkpoint(self.root)
+            if path:
+                found[0], full_state, error = read_checkpoint(path, model, self.config)
+        agree_on_error(error)
+        dist.broadcast_object_list(found, src=0)  # (step, path, format): all must know
+        if found[0] is None:
+            rank0_print(f"No checkpoint in {self.given}: starting from step 0")
+            return 0, None, None, None
+        return (*found[0], full_state)
+
+
+def root_cause(error):
+    """The exception behind a DCP CheckpointException (which holds each failed rank's exception
+    with its traceback), or the error itself."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
+
+
+def one_line(error):
+    """An exception's type and first sentence, on one line."""
+    text = " ".join(str(error).split()).split(". ")[0][:200]
+    return f"{type(error).__name__}: {text}"
 
 
 def find_checkpoint(root):
     """The newest step_N folder under root that holds its completion marker, or None."""
-    complete, root = [], os.path.abspath(root)
+    complete = []
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         path = os.path.join(root, name)
         if not re.fullmatch(r"step_\d+", name) or not os.path.isdir(path):
@@ -488,14 +762,14 @@ def find_checkpoint(root):
     return max(complete)[1] if complete else None
 
 
-def read_checkpoint(path, model, args):
+def read_checkpoint(path, model, config):
     """Rank 0 reads a checkpoint's marker (and a full one's files) and checks that they fit this
     run. Returns ((step, path, format), (model state, optimizer state), None), the states None
     for a sharded checkpoint, or (None, (None, None), why not)."""
     loaded = []
-    for name in (MARKER_FILE, MODEL_FILE, OPTIMIZER_FILE):
+    for name in (MARKER_FILE, "model.pt", "optimizer.pt"):
         if loaded and loaded[0].get("format", "full") == "sharded":
-            break  # its shards are read by every rank in load_sharded()
+            break  # its shards are read by every rank
         try:
             with open(os.path.join(path, name), "rb") as f:
                 loaded.append(json.load(f) if name == MARKER_FILE else
@@ -510,9 +784,9 @@ def read_checkpoint(path, model, args):
         return None, (None, None), (
             f"checkpoint {path}: its {MARKER_FILE} marker says step {marker.get('step')!r}, not "
             "its folder's; delete it to resume from the checkpoint before it, or pass --no-resume")
-    if marker.get("model") != model_config(args):
-        flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (config or {}).items())
-                 for config in (marker.get("model"), model_config(args))]
+    if marker.get("model") != config:
+        flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (sizes or {}).items())
+                 for sizes in (marker.get("model"), config)]
         return None, (None, None), (
             f"checkpoint {path} was written for another model ({flags[0]}) than this run's "
             f"({flags[1]}); pass its sizes, another --checkpoint-dir or --no-resume")
@@ -534,36 +808,112 @@ def read_checkpoint(path, model, args):
     return (marker["step"], path, marker.get("format", "full")), states, None
 
 
-# ------------------------------------------------------------------------------------------ main
 class StepLog:
-    """Keeps each step's loss and gradient norm, and every --log-every steps prints them with the
-    tokens/s of the training time since the last line (checkpoint writes excluded)."""
+    """Each step's loss and gradient norm, read from the device one step late, so that the host
+    never makes the GPU wait (the loss of the newest step is read only on a line or before a
+    save). Every --log-every steps a line gives the loss and, for the steps since the line before,
+    tokens/s (on a GPU also TFLOP/s and MFU). A non-finite loss stops every rank. done() prints
+    the steady state, the first warmup steps and checkpoint pauses excluded, and the metrics."""
 
-    def __init__(self, args, start_step):
-        self.args, self.first, self.losses, self.grad_norms = args, start_step + 1, [], []
-        self.seconds, self.last_line = [], 0  # step times; steps when the last line was printed
+    def __init__(self, report, model, start_step, steps, log_every, tokens_per_step, bf16, warmup):
+        self.report, self.first, self.last_step, self.log_every = report, start_step + 1, steps, \
+            log_every
+        self.tokens_per_step, self.warmup = tokens_per_step, warmup
+        self.flops_per_token = flops_per_token(model, model.pos_embeddings.num_embeddings)
+        self.peak_tflops = peak_tflops(report.device, bf16)
+        self.unread, self.losses, self.grad_norms, self.seconds, self.stalls = [], [], [], [], []
+        self.last_line = 0  # len(self.seconds) when the last line was printed
+        if start_step >= steps:
+            rank0_print(f"The checkpoint is at step {start_step}, --steps is {steps}: no training")
+        self.clock = time.perf_counter()
 
-    def step(self, step, loss, grad_norm, seconds):
-        if not math.isfinite(loss):  # the same on every rank: it is reduced
-            fail(f"training diverged: the loss of step {step} is {loss}; {DIVERGED}")
-        self.losses.append(loss)
-        self.grad_norms.append(grad_norm)
-        self.seconds.append(seconds)
-        if step % self.args.log_every == 0 or step in (self.first, self.args.steps):
-            tokens_per_s = self.tokens_per_s(self.seconds[self.last_line:])
-            rank0_print(f"step {step} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
-                        f"tokens/s {tokens_per_s:,.0f}")
+    def step(self, step, loss, grad_norm, check_now=False):
+        self.unread.append((step, loss, grad_norm))
+        line = step % self.log_every == 0 or step in (self.first, self.last_step)
+        self.read(keep=0 if line or check_now else 1)
+        now = time.perf_counter()
+        self.seconds.append(now - self.clock)  # since the step before: the data wait included
+        self.clock = now
+        if line:
+            rate = self.tokens_per_s(self.seconds[self.last_line:])
+            rank0_print(f"step {step} | loss {self.losses[-1]:.4f} | grad norm "
+                        f"{self.grad_norms[-1]:.3f} | tokens/s {rate:,.0f}" + self.flops(rate))
             self.last_line = len(self.seconds)
 
+    def read(self, keep):
+        while len(self.unread) > keep:
+            step, loss, grad_norm = self.unread.pop(0)
+            loss = loss.item() / dist.get_world_size()  # the same on every rank: it is reduced
+            if not math.isfinite(loss):
+                fail(f"training diverged: the loss of step {step} is {loss}; {DIVERGED}")
+            self.losses.append(loss)
+            self.grad_norms.append(grad_norm.item())
+
+    def paused(self, seconds):
+        """A checkpoint paused training for seconds: not training time."""
+        self.stalls.append(seconds)
+        self.clock = time.perf_counter()
+
     def tokens_per_s(self, seconds):
-        tokens = len(seconds) * self.args.batch_size * self.args.seq_len
-        return tokens / sum(seconds) if seconds else None
+        return self.tokens_per_step * len(seconds) / sum(seconds) if seconds else None
+
+    def flops(self, tokens_per_s):
+        """TFLOP/s per GPU and MFU (model FLOPs utilization) at tokens_per_s, for a log line."""
+        if self.report.device.type != "cuda":
+            return ""
+        tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
+        return f" | {tflops:.1f} TFLOP/s" + (
+            f" | MFU {tflops / self.peak_tflops:.1%}" if self.peak_tflops else "")
+
+    def done(self, model, optimizer, checkpointer):
+        """The summary of the steady state, memory, and --metrics-json."""
+        self.read(keep=0)
+        warmup = min(self.warmup, len(self.seconds) - 1)  # at least one step counts
+        steady = self.seconds[max(warmup, 0):]
+        step_time = statistics.median(steady) if steady else None
+        tokens_per_s = self.tokens_per_step / step_time if step_time else None
+        per_process = self.flops_per_token * (tokens_per_s or 0) / dist.get_world_size()
+        figures = {"flops_per_token": self.flops_per_token, "gflops_per_s": per_process / 1e9,
+                   "tflops_per_gpu": None, "mfu": None}
+        if self.report.device.type == "cuda":
+            figures["tflops_per_gpu"] = per_process / 1e12
+            figures["mfu"] = self.peak_tflops and per_process / 1e12 / self.peak_tflops
+        if self.losses:
+            vocab = model.output.out_features
+            rank0_print(f"Trained steps {self.first}-{self.last_step}: final loss "
+                        f"{self.losses[-1]:.4f} (ln(vocab) = {math.log(vocab):.4f}"
+                        f"), {tokens_per_s:,.0f} tokens/s in the steady state (median step "
+                        f"{step_time * 1000:.1f} ms, the first {max(warmup, 0)} step(s) and "
+                        "checkpoint pauses left out), " + (
+                            f"{figures['tflops_per_gpu']:.1f} TFLOP/s per GPU" + (
+                                f", MFU {figures['mfu']:.1%}" if figures["mfu"] else "")
+                            if figures["tflops_per_gpu"] is not None else
+                            f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
+        self.report.training_done(model, optimizer)
+        folder = checkpointer and checkpointer.folder
+        self.report.write(
+            train_loss=self.losses[-1] if self.losses else None, losses=self.losses,
+            grad_norms=self.grad_norms, first_step=self.first,
+            step=max(self.first - 1, self.last_step), tokens_per_s=tokens_per_s,
+            step_time_s=step_time, warmup_steps=max(warmup, 0), step_times_s=self.seconds,
+            checkpoint=folder and folder.last, checkpoint_stall_s=self.stalls,
+            checkpoint_staging_bytes=checkpointer and checkpointer.stager and
+            checkpointer.stager.allocated, **figures)
 
 
 # Dense peak TFLOP/s of one GPU in (bf16, fp32), from NVIDIA's data sheets: the first name found
 # in torch.cuda.get_device_name() counts. Other GPUs get no MFU.
 PEAK_TFLOPS = {"H100 PCIe": (756, 51), "H100": (989, 67), "H200": (989, 67), "A100": (312, 19.5),
                "L40S": (362, 91.6), "L4": (121, 30.3)}
+
+
+def peak_tflops(device, bf16):
+    """This GPU's dense peak TFLOP/s in bf16 (or fp32), or None (CPU, or a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((p for gpu, p in PEAK_TFLOPS.items() if gpu in name), None)
+    return peak and peak[0 if bf16 else 1]
 
 
 def flops_per_token(model, seq_len):
@@ -573,185 +923,6 @@ def flops_per_token(model, seq_len):
     embeddings = model.tok_embeddings.weight.numel() + model.pos_embeddings.weight.numel()
     params = sum(p.numel() for p in model.parameters()) - embeddings  # DTensors: global sizes
     return 6 * params + 12 * len(model.layers) * model.norm.weight.numel() * seq_len
-
-
-def utilization(model, args, tokens_per_s, device):
-    """Achieved model FLOP/s per process; on a GPU of PEAK_TFLOPS also TFLOP/s and MFU."""
-    per_process = flops_per_token(model, args.seq_len) * (tokens_per_s or 0) / dist.get_world_size()
-    figures = {"flops_per_token": flops_per_token(model, args.seq_len),
-               "gflops_per_s": per_process / 1e9,
-               "tflops_per_gpu": None, "mfu": None}
-    if device.type == "cuda":
-        figures["tflops_per_gpu"] = per_process / 1e12
-        name = torch.cuda.get_device_name(device)
-        peak = next((p for gpu, p in PEAK_TFLOPS.items() if gpu in name), None)
-        if peak:
-            figures["mfu"] = per_process / 1e12 / peak[0 if args.mixed_precision else 1]
-    return figures
-
-
-def start_afresh(args):
-    """--no-resume starts from step 0 in a --checkpoint-dir that must then hold no checkpoint:
-    an older run's later checkpoints would be resumed instead of this run's. --overwrite deletes
-    them first (the Hugging Face convention: refuse a non-empty folder unless told to)."""
-    old = sorted(glob.glob(os.path.join(args.checkpoint_dir, "step_*")))
-    if not args.no_resume or not old:
-        return
-    if not args.overwrite:
-        fail(f"--no-resume: --checkpoint-dir {args.checkpoint_dir} holds checkpoints of an earlier "
-             f"run ({os.path.basename(old[-1])}...), which a later resume would mix with this "
-             "run's; add --overwrite to delete them, or pass another --checkpoint-dir")
-    dist.barrier()  # everyone has seen them before rank 0 deletes them
-    if dist.get_rank() == 0:
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
-        rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
-
-
-def check_args(args, device, world_size):
-    """Stop with one line when the flags cannot work together here."""
-    if args.cpu_offload and device.type != "cuda":
-        fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
-             "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
-             "or run on a GPU without --cpu).")
-    if args.dim % args.n_heads:
-        fail(f"--dim {args.dim} is not divisible by --n-heads {args.n_heads}: each head gets "
-             "dim / n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
-    if args.batch_size % (world_size * args.grad_accum_steps):
-        fail(f"--batch-size {args.batch_size} (the global batch) is not divisible by world size "
-             f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; use a multiple of "
-             f"{world_size * args.grad_accum_steps}.")
-    if world_size % args.replicate_degree:
-        fail(f"--replicate-degree {args.replicate_degree} does not divide the world size "
-             f"{world_size}: HSDP needs replicas of world size / R ranks each.")
-    if args.async_checkpoint and args.checkpoint_format != "sharded":
-        fail("--async-checkpoint writes sharded checkpoints in the background; add "
-             "--checkpoint-format sharded")
-    if args.mixed_precision and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        fail("--mixed-precision computes in bfloat16, which this GPU does not support; drop it.")
-    if args.compile:  # fail now, in one line, rather than at the first step
-        try:
-            torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
-        except Exception as e:
-            fail(f"--compile: torch.compile cannot build code here ({str(e).strip()[:200]}); "
-                 "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
-
-
-def main(args, device):
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    check_args(args, device, world_size)
-    torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
-    check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
-    if args.checkpoint_dir:
-        lock_folder("--checkpoint-dir", args.checkpoint_dir)
-        start_afresh(args)
-
-    # HSDP with --replicate-degree R: R replicas, each sharded over world size / R ranks.
-    if args.replicate_degree > 1:
-        shape = (args.replicate_degree, world_size // args.replicate_degree)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world_size,))
-    model = shard_model(args, device, mesh)
-    describe_sharding(model, args.mixed_precision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after sharding: DTensors
-    checkpointer = Checkpointer(args)
-    resume = args.checkpoint_dir and not args.no_resume
-    start_step = checkpointer.load(model, optimizer) if resume else 0
-    if start_step >= args.steps:
-        rank0_print(f"The checkpoint is at step {start_step}, --steps is {args.steps}: no training")
-    rules, rows = task_rules(args.vocab_size, args.seed), args.batch_size // world_size
-    report, log, checkpoint = Report(args, device), StepLog(args, start_step), None
-    for step in range(start_step + 1, args.steps + 1):
-        started = time.perf_counter()
-        if args.explicit_prefetching:
-            model.unshard()  # start the root's all-gather before the data is ready
-        tokens = global_batch(rules, step, args.batch_size, args.seq_len, args.seed)
-        tokens = tokens[rank * rows:(rank + 1) * rows].to(device)  # this rank's rows
-        loss, grad_norm = train_step(model, optimizer, tokens, args)
-        log.step(step, loss, grad_norm, time.perf_counter() - started)
-        if args.checkpoint_dir and (step % args.save_every == 0 or step == args.steps):
-            checkpoint = checkpointer.save(model, optimizer, step)
-    checkpointer.finish()  # an async save still in flight
-    tokens_per_s = log.tokens_per_s(log.seconds)
-    figures = utilization(model, args, tokens_per_s, device)
-    if log.losses:
-        rank0_print(f"Trained steps {start_step + 1}-{args.steps}: final loss {log.losses[-1]:.4f}"
-                    f" (ln(vocab) = {math.log(args.vocab_size):.4f}), {tokens_per_s:,.0f} tokens/s"
-                    + (f", {figures['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU "
-                       f"{figures['mfu']:.1%}" if figures["mfu"] is not None else
-                       f", {figures['gflops_per_s']:,.1f} GFLOP/s per process"))
-    report.training_done(model, optimizer)
-    report.write(train_loss=log.losses[-1] if log.losses else None, losses=log.losses,
-                 grad_norms=log.grad_norms, first_step=start_step + 1,
-                 step=max(start_step, args.steps), tokens_per_s=tokens_per_s, checkpoint=checkpoint,
-                 **figures)
-
-
-# What the plumbing's one-line errors advise when memory runs out, or when training diverges.
-DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
-MEMORY_ADVICE = ("use a smaller --batch-size (or more --grad-accum-steps), --seq-len, --dim, "
-                 "--n-layers or --vocab-size, or --activation-checkpointing")
-
-
-def parse_args():
-    parser = RankZeroArgumentParser(
-        description="FSDP2 (fully_shard) training of a small causal Transformer",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = parser.add_argument
-    add("--vocab-size", type=positive(int), default=128, metavar="N", help="vocabulary size")
-    add("--dim", type=positive(int), default=64, metavar="N", help="model width")
-    add("--n-layers", type=positive(int), default=2, metavar="N", help="Transformer blocks")
-    add("--n-heads", type=positive(int), default=4, metavar="N", help="heads (must divide --dim)")
-    add("--seq-len", type=positive(int), default=32, metavar="N", help="tokens per sequence")
-    add("--batch-size", type=positive(int), default=32, metavar="N", help="global batch")
-    add("--steps", type=positive(int), default=200, metavar="N", help="optimizer steps to train to")
-    add("--lr", type=positive(float, most=1e30), default=3e-3, metavar="LR",
-        help="AdamW learning rate, at most 1e30 (much larger ones overflow float32)")
-    add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=0, metavar="S",
-        help="random seed (model init and the data)")
-    add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
-    add("--explicit-prefetching", action="store_true", help="each block all-gathers the next "
-        "--prefetch-depth ones in forward and backward; each step starts the root's all-gather")
-    add("--prefetch-depth", type=positive(int), default=2, metavar="N", help="blocks to prefetch")
-    add("--mixed-precision", action="store_true", help="compute in bfloat16, reduce gradients in "
-        "float32 (the sharded parameters and optimizer state stay float32)")
-    add("--max-norm", type=positive(float, zero=True), default=1.0, metavar="X",
-        help="clip gradients (0: do not)")
-    add("--no-reshard-after-forward", action="store_true",
-        help="keep parameters gathered from forward to backward (FSDP1's SHARD_GRAD_OP, ZeRO-2)")
-    add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
-    add("--grad-accum-steps", type=positive(int), default=1, metavar="K",
-        help="split each rank's batch into K micro-batches; gradients are reduced after the last")
-    add("--dcp-api", action="store_true", help="full checkpoints with the DCP state-dict API, "
-        "not DTensor's full_tensor/distribute_tensor (the same files either way)")
-    add("--checkpoint-format", default="full", choices=["full", "sharded"],
-        help="full: rank 0 gathers and writes plain model.pt/optimizer.pt; sharded: every rank "
-             "writes its own shards with DCP (torchtitan: --checkpoint.enable); both resume at "
-             "any world size")
-    add("--async-checkpoint", action="store_true", help="write sharded checkpoints in the "
-        "background with dcp.async_save (torchtitan: --checkpoint.async_mode async)")
-    add("--replicate-degree", type=positive(int), default=1, metavar="R",
-        help="HSDP: R replicas, each sharded over world size / R ranks, on a 2-D mesh "
-             "(torchtitan: --parallelism.data_parallel_replicate_degree)")
-    add("--activation-checkpointing", action="store_true", help="recompute each block's "
-        "activations in backward (torchtitan: activation checkpointing mode full)")
-    add("--compile", action="store_true", help="torch.compile each block before sharding it "
-        "(torchtitan: --compile.enable)")
-    add("--checkpoint-dir", metavar="DIR", help="save to DIR/step_N, resume from the newest there")
-    add("--save-every", type=positive(int), default=50, metavar="N", help="save every N steps "
-        "and at the last")
-    add("--no-resume", action="store_true", help="start at step 0 in a --checkpoint-dir that holds "
-        "no checkpoint (or with --overwrite)")
-    add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
-        "already in --checkpoint-dir")
-    add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
-    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (None: one per GPU, or 2 on CPU)")
-    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
-        "for a lost or hung peer before the job fails (longer than a checkpoint write)")
-    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
-    return parser.parse_args()
 
 
 # ==================================================================================================

@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+
+try:
+    from sklearn.datasets import load_digits
+except ModuleNotFoundError as e:  # run as a command without scikit-learn: one line, no traceback
+    if __name__ != "__main__" or not (e.name or "").startswith("sklearn"):
+        raise
+    sys.exit("error: tests/digits_mnist.py writes the handwritten digits that scikit-learn ships, "
+             "and scikit-learn is not installed: pip install scikit-learn")
 
 # The test-set size is divisible by neither 2 nor 3, so DistributedSampler pads it at both
 # world sizes the tests use.

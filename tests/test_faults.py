@@ -245,7 +245,7 @@ def test_a_bug_reaches_torchruns_report_as_the_root_cause(tmp_path):
     not turned into an error line: torchrun's failure report shows it, with its traceback, as the
     root cause (the worker's entry point is decorated with @record)."""
     script = script_with_lines("fsdp2_transformer.py", tmp_path,
-                               "def train_step(model, optimizer, tokens, args):\n",
+                               "    optimizer.zero_grad()\n",
                                '    {}["a bug"]\n')
     result = run_command(torchrun_command(script, [*FSDP2_TINY, "--steps", 2], 2), tmp_path, 120)
     report = result.stderr.split("Root Cause (first observed failure):")[-1]

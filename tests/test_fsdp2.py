@@ -166,7 +166,7 @@ def test_task_is_the_same_global_batch_whatever_the_world_size():
 
 # The program is cut into adjacent literals where its lines are long: its text stays the same.
 COUNT_REDUCE_SCATTERS = """
-import argparse, gc, json, sys
+import gc, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, {repo!r})
@@ -187,17 +187,12 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         setattr(dist, name, counted)
 
 def reduce_scatters_in_one_step(grad_accum_steps):
-    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16,
-                              mixed_precision=False, cpu_offload=False,
-                              no_reshard_after_forward=False, explicit_prefetching=False,
-                              activation_checkpointing=False, compile=False,
-                              grad_accum_steps=grad_accum_steps, max_norm=1.0)
-    model = script.shard_model(args, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    config = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
+    model = script.shard_model(config, torch.device("cpu"), init_device_mesh("cpu", (2,)))
     optimizer = torch.optim.AdamW(model.parameters())
-    tokens = script.global_batch(script.task_rules(64, 0), 1, 12, 16, 0)
-    tokens = tokens[dist.get_rank() * 6:][:6]
+    tokens = script.rank_batch(script.task_rules(64, 0), 12, 16, 0, dist.get_rank(), 2, 1)
     calls[0] = 0
-    script.train_step(model, optimizer, tokens, args)
+    script.train_step(model, optimizer, tokens, grad_accum_steps)
     return calls[0]
 
 dist.init_process_group("gloo")
@@ -286,7 +281,7 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
     to a copy of the script, as an overflowing update would): the run fails rather than save that
     model, and the newest checkpoint stays the step before."""
     script = script_with_lines(
-        SCRIPT, tmp_path, "        loss, grad_norm = train_step(model, optimizer, tokens, args)\n",
+        SCRIPT, tmp_path, " " * 37 + "args.grad_accum_steps, args.max_norm)\n",
         "        if step == args.steps:\n"
         "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
     args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1]

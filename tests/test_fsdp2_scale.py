@@ -109,18 +109,16 @@ def test_activation_checkpointing_keeps_the_losses(fsdp2_run, fsdp2_reference):
 
 
 SAVED_FOR_BACKWARD = """
-import argparse, gc, json, sys
+import gc, json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, {repo!r})
 import fsdp2_transformer as script
 
 def saved_bytes(activation_checkpointing):
-    args = argparse.Namespace(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16,
-                              mixed_precision=False, cpu_offload=False, compile=False,
-                              no_reshard_after_forward=False, explicit_prefetching=False,
-                              activation_checkpointing=activation_checkpointing)
-    model = script.shard_model(args, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+    config = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
+    model = script.shard_model(config, torch.device("cpu"), init_device_mesh("cpu", (1,)),
+                               activation_checkpointing=activation_checkpointing)
     tokens = script.global_batch(script.task_rules(64, 0), 1, 8, 16, 0)
     saved = []  # every tensor autograd keeps for backward, outside recomputed regions
     def pack(tensor):

@@ -61,16 +61,16 @@ WHOLE_NET = ["  root (Net): 1,199,882 parameters, 599,941 on rank 0"]
 BUILT = {
     "FULL_SHARD": (["FULL_SHARD, backward prefetch BACKWARD_PRE, "
                     "CPU offload False, use_orig_params False",
-                    "1 unit(s)"], WHOLE_NET),
+                    "1 unit:"], WHOLE_NET),
     "--auto-wrap-min-params 20000 --use-orig-params": (
         ["FULL_SHARD, backward prefetch BACKWARD_PRE, CPU offload False, use_orig_params True",
-         "2 unit(s)"],
+         "2 units:"],
         ["  root (Net): 20,106 parameters, 10,053 on rank 0",
          "  fc1 (Linear): 1,179,776 parameters, 589,888 on rank 0"]),
     "--sharding-strategy SHARD_GRAD_OP --backward-prefetch BACKWARD_POST": (
-        ["SHARD_GRAD_OP, backward prefetch BACKWARD_POST", "1 unit(s)"], WHOLE_NET),
+        ["SHARD_GRAD_OP, backward prefetch BACKWARD_POST", "1 unit:"], WHOLE_NET),
     "--sharding-strategy HYBRID_SHARD --backward-prefetch NONE": (
-        ["HYBRID_SHARD, backward prefetch NONE", "1 unit(s)"], WHOLE_NET),
+        ["HYBRID_SHARD, backward prefetch NONE", "1 unit:"], WHOLE_NET),
 }
 
 
@@ -78,12 +78,13 @@ BUILT = {
 def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
     """Same seed, same data order: every FSDP1 configuration reproduces DDP's per-epoch train
     losses, and prints what FSDP built from it (units, strategy, prefetch), read from the wrapped
-    model."""
+    model, and no Python warning."""
     ddp = mnist_run("ddp_mnist.py", "--save-model").metrics["train_losses"]
     if options != "FULL_SHARD":
         run = mnist_run("fsdp1_mnist.py", *options.split(), epochs=2)
     else:
         run = mnist_run("fsdp1_mnist.py", "--save-model")
+    assert warning_lines(run.output) == []
     fsdp = run.metrics["train_losses"]
     assert len(fsdp) >= 2
     assert fsdp == pytest.approx(ddp[: len(fsdp)], rel=1e-4)
@@ -93,17 +94,36 @@ def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
     assert built[1:1 + len(units)] == units and not built[1 + len(units)].startswith("  "), built
 
 
+# The strategy that BUILT leaves out, run by the 3-rank case below: test_no_shard_prints_no_warning
+# reads that run too.
+NO_SHARD = ["--sharding-strategy", "NO_SHARD", "--save-model"]
+
+
 @pytest.mark.parametrize("script, nproc",
                          [("ddp_mnist.py", 2), ("fsdp1_mnist.py", 2), ("fsdp1_mnist.py", 3)])
 def test_test_set_counted_once(mnist_run, script, nproc):
     """DistributedSampler pads 295 test samples to 296 (2 ranks) or 297 (3 ranks); the padding is
     not counted."""
     result = (mnist_run(script, "--save-model") if nproc == 2
-              else mnist_run(script, nproc=3, epochs=1))
+              else mnist_run(script, *NO_SHARD, nproc=3, epochs=1))
     counts = accuracy_lines(result.stdout)
     assert counts, result.stdout
     assert all(n == MNIST_TEST for _, n in counts), counts
     assert result.metrics["accuracy"] == pytest.approx(counts[-1][0] / MNIST_TEST)
+
+
+@pytest.mark.parametrize("nproc", [3, 1])
+def test_no_shard_prints_no_warning(mnist_run, nproc):
+    """FSDP1 warns that NO_SHARD is deprecated (world size > 1) and, at every save of a NO_SHARD
+    model, that it returns a full state dict; the script filters exactly these two. At world size
+    1 every strategy runs as NO_SHARD, and the script says so itself."""
+    if nproc == 3:  # test_test_set_counted_once's run
+        run = mnist_run("fsdp1_mnist.py", *NO_SHARD, nproc=3, epochs=1)
+    else:
+        run = mnist_run("fsdp1_mnist.py", "--save-model", "--dry-run", nproc=1, epochs=1)
+        assert "FULL_SHARD with one process: NO_SHARD" in run.stdout
+    assert "FSDP built 1 unit: NO_SHARD" in run.stdout and "Saved " in run.stdout
+    assert warning_lines(run.output) == []
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -170,6 +190,20 @@ def test_spawn_mode_reports_missing_data_once(tmp_path):
                           tmp_path / "missing"], tmp_path, timeout=60, env=NO_NETWORK)
     assert result.returncode == 1
     assert result.stderr.count("error: MNIST is not in") == 1 and "Traceback" not in result.stderr
+
+
+def test_digits_fixture_without_scikit_learn_says_what_to_install(tmp_path):
+    """`python tests/digits_mnist.py DIR` (the README's offline MNIST) without scikit-learn: one
+    line naming the package, no traceback, no folder."""
+    hidden = ("import runpy, sys; sys.modules['sklearn'] = None; "  # as if it were not installed
+              f"sys.argv = [{str(REPO / 'tests' / 'digits_mnist.py')!r}, 'data']; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hidden], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert (len(proc.stderr.splitlines()) == 1
+            and "pip install scikit-learn" in proc.stderr), proc.stderr
+    assert not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
