@@ -118,9 +118,6 @@ class Transformer(nn.Module):
                 init_(module.bias, nn.init.zeros_)
 
 
-MODEL_FLAGS = ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")  # Transformer's arguments
-
-
 # ------------------------------------------------------------------------------------------ data
 NUM_RULES = 4  # hidden permutations of the synthetic task
 
@@ -182,9 +179,8 @@ def shard_model(config, device, mesh, reshard_after_forward=True, mixed_precisio
 
 
 def check_sharding(model, mixed_precision):
-    """What fully_shard built, checked with public calls: every parameter a float32 DTensor
-    sharded Shard(0) (HSDP: replicated on the first mesh dimension); unsharded bf16 under mixed
-    precision."""
+    """What fully_shard built, checked with public calls: every parameter a float32 DTensor sharded
+    Shard(0) (HSDP: replicated over mesh dimension 0), unsharded to bf16 under mixed precision."""
     params = list(model.parameters())
     mesh = params[0].device_mesh
     placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
@@ -251,8 +247,7 @@ class Checkpointer:
         self.stager = ReusedStager() if async_save else None
 
     def save(self, model, optimizer, step):
-        """Returns the seconds training was paused for."""
-        path = self.folder.begin(step, model, self)  # step_N.tmp, once the save before is done
+        path = self.folder.begin(step, model, optimizer, self)  # step_N.tmp, after checks
         with self.folder.writing(path):  # a failed write stops every rank in one line
             if self.format == "full":
                 model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
@@ -268,7 +263,7 @@ class Checkpointer:
                     self.pending = dcp.async_save(state, checkpoint_id=path,
                                                   process_group=self.group,
                                                   async_stager=self.stager)
-        return self.folder.end(step, path, self.pending)  # marked complete (async: once written)
+        return self.folder.end(step, path, self.pending)  # marks it complete; the pause, in s
 
     def wait(self):
         """Wait for the background write of the last save, if any (one save at a time)."""
@@ -341,10 +336,9 @@ def load_with_dtensor_api(model, optimizer, path):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_size, rank, cuda = dist.get_world_size(), dist.get_rank(), device.type == "cuda"
     check_flags(args, device, world_size)
-    check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
-    claim_checkpoint_dir(args.checkpoint_dir, args.no_resume, args.overwrite)
+    check_checkpoint_dir(args)  # writable, locked, and --no-resume / --overwrite
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
     # 1. The device mesh: 1-D for FSDP; 2-D for HSDP, R replicas each sharded over world size / R.
@@ -353,7 +347,8 @@ def main(args, device):
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
 
     # 2. The model: built on the meta device, sharded, then materialized and initialized.
-    config = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
+    config = {flag: getattr(args, flag)
+              for flag in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")}
     model = shard_model(config, device, mesh, not args.no_reshard_after_forward,
                         args.mixed_precision, args.cpu_offload, args.compile,
                         args.activation_checkpointing,
@@ -363,21 +358,18 @@ def main(args, device):
 
     # 3. The optimizer, after sharding: it holds the DTensor shards. Fused on CUDA (one kernel for
     #    all tensors); foreach on CPU, where torch would otherwise loop over them one by one.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda",
-                                  foreach=device.type != "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda)
 
     # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any.
     checkpointer = args.checkpoint_dir and Checkpointer(
         args.checkpoint_dir, args.checkpoint_format, args.dcp_api, args.async_checkpoint, config)
     start_step = checkpointer.load(model, optimizer) if checkpointer and not args.no_resume else 0
 
-    # 5. The data: on a GPU, a worker process builds the next batches while a step runs, in pinned
-    #    memory, so that the copy (non_blocking) overlaps with the step too. On CPU the step needs
-    #    the cores a worker would take: the batches are built in this process.
+    # 5. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
+    #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
                                    args.batch_size, args.seq_len, args.seed, rank, world_size)
-    cuda = device.type == "cuda"
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
@@ -449,14 +441,8 @@ def parse_args():
         "no checkpoint (or with --overwrite)")
     add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
         "already in --checkpoint-dir")
-    add = parser.add_argument_group("run").add_argument
-    add("--cpu", action="store_true", help="CPU and gloo even if there are GPUs")
+    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
-    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (None: one per GPU, or 2 on CPU)")
-    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
-        "for a lost or hung peer before the job fails (longer than a checkpoint write)")
-    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
     return parser.parse_args()
 
 
@@ -469,14 +455,17 @@ def parse_args():
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
 import contextlib
 import datetime
+import errno
 import fcntl
 import gc
 import glob
 import json
 import logging
+import multiprocessing.connection
 import re
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -563,18 +552,20 @@ def describe_fsdp(model):
                     f"explicit prefetch: forward {forward}, backward {backward}")
 
 
-def claim_checkpoint_dir(folder, no_resume, overwrite):
-    """Lock --checkpoint-dir for this job. --no-resume starts from step 0 in a folder that must
-    then hold no checkpoint: an older run's later checkpoints would be resumed instead of this
-    run's. --overwrite deletes them first (the Hugging Face convention: refuse a non-empty folder
-    unless told to)."""
+def check_checkpoint_dir(args):
+    """--checkpoint-dir (and --metrics-json) must be writable; lock the folder for this job.
+    --no-resume starts from step 0 in a folder that must then hold no checkpoint: an older run's
+    later checkpoints would be resumed instead of this run's. --overwrite deletes them first (the
+    Hugging Face convention: refuse a non-empty folder unless told to)."""
+    check_outputs(args, {"--checkpoint-dir": args.checkpoint_dir})
+    folder = args.checkpoint_dir
     if not folder:
         return
     lock_folder("--checkpoint-dir", folder)
     old = sorted(glob.glob(os.path.join(folder, "step_*")))
-    if not no_resume or not old:
+    if not args.no_resume or not old:
         return
-    if not overwrite:
+    if not args.overwrite:
         fail(f"--no-resume: --checkpoint-dir {folder} holds checkpoints of an earlier run "
              f"({os.path.basename(old[-1])}...), which a later resume would mix with this run's; "
              "add --overwrite to delete them, or pass another --checkpoint-dir")
@@ -628,19 +619,22 @@ MARKER_FILE = "COMPLETE"  # written last into a checkpoint: the step, the model'
 class CheckpointFolder:
     """The safeguards of --checkpoint-dir: a checkpoint is written into step_000050.tmp, rank 0
     adds the COMPLETE marker (the step, the model sizes, the format) last and renames it to
-    step_000050; resume reads only complete folders whose marker fits this run. A failed write
-    stops every rank in one line, and nothing non-finite is ever saved."""
+    step_000050; resume reads only complete folders whose marker fits this run. A save that
+    would not fit on the disk is refused before it writes; a failed write stops every rank in
+    one line and removes its .tmp folder; nothing non-finite is ever saved."""
 
     def __init__(self, root, checkpoint_format, config):
         self.given, self.root, self.format, self.config = root, os.path.abspath(root), \
             checkpoint_format, config
         self.error, self.marked, self.last = None, threading.Event(), None
 
-    def begin(self, step, model, checkpointer):
-        """Wait for the save before (one at a time), check the model, and make step_N.tmp."""
+    def begin(self, step, model, optimizer, checkpointer):
+        """Wait for the save before (one at a time), check the model and the free space, and
+        make step_N.tmp."""
         self.started = time.perf_counter()
         checkpointer.wait()
         stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
+        self.check_space(model, optimizer)
         path = os.path.join(self.root, f"step_{step:06d}.tmp")
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
@@ -648,18 +642,40 @@ class CheckpointFolder:
         dist.barrier()
         return path
 
+    def check_space(self, model, optimizer):
+        """Refuse a save the disk cannot hold, before writing: a full checkpoint is written by
+        rank 0 (the whole state), a sharded one by every rank (each node: its ranks' shards)."""
+        tensors = [*model.parameters(), *(value for state in optimizer.state.values()
+                                          for value in state.values() if torch.is_tensor(value))]
+        full = self.format == "full"
+        local = sum(t.numel() * t.element_size() if full or not isinstance(t, DTensor)
+                    else t.to_local().numel() * t.element_size() for t in tensors)
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, local)
+        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        node = dist.get_rank() // node_size  # torchrun numbers each node's ranks in a row
+        needed = sizes[0] if full else sum(sizes[node * node_size:(node + 1) * node_size])
+        checks = dist.get_rank() == 0 if full else os.environ["LOCAL_RANK"] == "0"
+        problem = checks and space_problem(self.root, needed, "--checkpoint-dir")
+        agree_on_error(problem and f"{problem}; {last_checkpoint(self.root)}")
+
     @contextlib.contextmanager
     def writing(self, path):
-        """A failed write (full disk, I/O error) stops every rank in one line."""
+        """A failed write (a full disk, an I/O error) stops every rank in one line, and rank 0
+        removes the half-written folder."""
         error = None
         try:
             yield
         except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
-            cause = root_cause(e)
-            if not isinstance(cause, OSError) and "write" not in str(cause):
+            error = write_problem(e, path, "--checkpoint-dir")
+            if error is None:
                 raise
-            error = f"cannot write checkpoint {path} ({one_line(cause)}); {self.advice()}"
-        agree_on_error(error)
+            self.discard(path)
+        agree_on_error(error and f"{error}; {last_checkpoint(self.root)}")
+
+    def discard(self, path):
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
 
     def end(self, step, path, pending):
         """Mark the checkpoint complete: now, or for an asynchronous save once it is written.
@@ -689,8 +705,10 @@ class CheckpointFolder:
                             + f", training paused {pause:.2f} s")
             self.last = final
         except (Exception, dcp.CheckpointException) as e:
-            self.error = f"cannot write checkpoint {path} ({one_line(root_cause(e))}); " + \
-                self.advice()
+            self.discard(path)
+            self.error = (write_problem(e, path, "--checkpoint-dir") or
+                          f"cannot write checkpoint {path} ({one_line(root_cause(e))})") + \
+                f"; {last_checkpoint(self.root)}"
         finally:
             self.marked.set()
 
@@ -702,10 +720,6 @@ class CheckpointFolder:
             if dist.get_rank() == 0:
                 self.marked.wait()
             agree_on_error(self.error)
-
-    def advice(self):
-        return (f"free space in {self.given} (or pass another --checkpoint-dir); a rerun resumes "
-                "from the last complete checkpoint")
 
     @contextlib.contextmanager
     def reading(self, path):
@@ -760,6 +774,25 @@ def find_checkpoint(root):
         else:
             rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER_FILE} marker)")
     return max(complete)[1] if complete else None
+
+
+def last_checkpoint(root):
+    """Which checkpoint a rerun resumes from (said when a save fails or the run is stopped)."""
+    complete = sorted(path for path in glob.glob(os.path.join(root, "step_*"))
+                      if re.fullmatch(r"step_\d+", os.path.basename(path))
+                      and os.path.exists(os.path.join(path, MARKER_FILE)))
+    if not complete:
+        return "no checkpoint was written yet: a rerun starts from step 0"
+    return (f"the last complete checkpoint is step {int(os.path.basename(complete[-1])[5:])} "
+            f"({complete[-1]}): run the same command to resume")
+
+
+def resume_hint(args):
+    """Where a rerun of the same command resumes: the plumbing says it when Ctrl-C or SIGTERM
+    stops the run."""
+    if not args.checkpoint_dir:
+        return "no --checkpoint-dir: a rerun starts from step 0"
+    return last_checkpoint(os.path.abspath(args.checkpoint_dir))
 
 
 def read_checkpoint(path, model, config):
@@ -828,6 +861,7 @@ class StepLog:
         self.clock = time.perf_counter()
 
     def step(self, step, loss, grad_norm, check_now=False):
+        PROGRESS["at"] = f" at step {step}"  # for the line of an interrupted run
         self.unread.append((step, loss, grad_norm))
         line = step % self.log_every == 0 or step in (self.first, self.last_step)
         self.read(keep=0 if line or check_now else 1)
@@ -927,9 +961,10 @@ def flops_per_token(model, seq_len):
 
 # ==================================================================================================
 # Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
-# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
-# checks and locks, time and memory figures, the metrics file, process-group set-up, launching.
-# It calls the script's main(args, device) and parse_args(), and quotes its MEMORY_ADVICE.
+# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
+# input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
+# metrics file, process-group set-up, launching, the flags every script has. It calls the
+# script's main(args, device), parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -941,11 +976,16 @@ def fail(message, node_local=False):
     """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
     it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
     too (torchrun stops all workers once one has failed), but does when the problem is its own."""
+    FAILING.append(message)  # the launcher's SIGTERM that may follow is not an interruption
     if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
         message = f"rank {os.environ['RANK']}: {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+FAILING = []  # this process is ending with an error line of its own (or a peer's)
+PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
 def agree_on_error(error):
@@ -995,6 +1035,35 @@ def lock_folder(flag, folder):
 
 
 HELD_LOCKS = []
+
+
+def space_problem(folder, needed, flag):
+    """Why folder's filesystem cannot take `needed` more bytes (and 1 MiB to spare), or None:
+    checked before a save, so that a full disk stops the run before it writes anything."""
+    free = shutil.disk_usage(folder).free
+    if free >= needed + 2**20:
+        return None
+    return (f"not enough space to save into {folder}: the save needs {needed / 2**20:,.1f} MiB, "
+            f"{free / 2**20:,.1f} MiB are free; free space there (delete older checkpoints or "
+            f"other files), or pass another {flag}")
+
+
+def write_problem(error, path, flag):
+    """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
+    no space left), torch.save's RuntimeError, or a DCP CheckpointException, which wraps each
+    failed rank's exception and traceback: its root cause's type and first sentence."""
+    failures = getattr(error, "failures", None)  # a CheckpointException
+    cause = next(iter(failures.values()))[0] if failures else error
+    if not isinstance(cause, OSError) and "write" not in str(cause):
+        return None
+    if getattr(cause, "errno", None) == errno.ENOSPC or "space" in str(cause).lower():
+        reason = "no space left on the device"
+    else:
+        reason = f"{type(cause).__name__}: {' '.join(str(cause).split()).split('. ')[0][:200]}"
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    return (f"cannot write {path} ({reason}; {free / 2**20:,.1f} MiB free in {folder}); free "
+            f"space there, or pass another {flag}; what was saved before is intact")
 
 
 def stop_if_diverged(where, tensors, advice):
@@ -1086,7 +1155,10 @@ def init_process_group(backend, timeout):
 
 @record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
-    """main(args, device) in this process's process group; a lost peer ends it in one line."""
+    """main(args, device) in this process's process group; a lost peer or Ctrl-C ends it in one
+    line."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: stop_on_signal(signum, args))
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda and local_world_size > gpus:
         fail(f"{local_world_size} processes on this node but {gpus} GPUs visible; start at most "
@@ -1106,6 +1178,10 @@ def run_worker(args, use_cuda):
             fail(f"out of memory ({reason[0]}): {MEMORY_ADVICE}")
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
+        # A peer that failed first says why, and the launcher then stops this process: give it
+        # the time to, so that the root cause is the line a user sees (first, and alone).
+        FAILING.append(e)
+        time.sleep(5)
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
         print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank "
               "died, hung or lost its network, or took longer than --dist-timeout "
@@ -1121,6 +1197,21 @@ def run_worker(args, use_cuda):
         # Faster exit, not a fix: Python's last collection at exit walks every object torch made
         # (0.6 s per process, a good part of a short run); frozen, they go with the process.
         gc.freeze()
+
+
+def stop_on_signal(signum, args):
+    """Ctrl-C (SIGINT) or SIGTERM: exit at once, with the status of a process killed by it (130,
+    143) and one line from rank 0 saying where a rerun resumes; no traceback from any rank. An
+    asynchronous checkpoint still being written stays a .tmp folder, which a resume ignores.
+    Silent when this process is already ending with an error (the launcher stops the others)."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)  # the launcher passes the signal on: once is enough
+    if int(os.environ.get("RANK", "0")) == 0 and not FAILING:
+        line = (f"interrupted by {signal.Signals(signum).name}{PROGRESS['at']}; "
+                f"{resume_hint(args)}\n")
+        os.write(sys.stderr.fileno(), line.encode())  # not print: safe wherever Python stopped
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 def spawn_worker(rank, args, use_cuda, world_size, port):
@@ -1149,11 +1240,34 @@ def launch(args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    try:
-        mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size)
-    except mp.ProcessExitedException as e:  # the failing worker has said why
-        sys.exit(e.exit_code or 1)
+    workers = mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size,
+                       join=False).processes
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a kill of this process: pass it on
+        signal.signal(signum, lambda signum, frame: [os.kill(w.pid, signum) for w in workers
+                                                     if w.exitcode is None])
+    # Wait until all end well or one fails; that one has said why: the others are stopped without
+    # a word (as torchrun does, but without its SIGTERM, which they would take for Ctrl-C).
+    while any(w.exitcode is None for w in workers) and all(w.exitcode in (None, 0)
+                                                            for w in workers):
+        multiprocessing.connection.wait([w.sentinel for w in workers if w.exitcode is None])
+    failed = next((w.exitcode for w in workers if w.exitcode), 0)
+    for worker in workers:
+        worker.kill()
+        worker.join()
     gc.freeze()  # a faster exit, as in run_worker
+    sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
+
+
+def add_run_flags(parser):
+    """The flags of every script about how it runs; returns their group, for the script's own."""
+    add = parser.add_argument_group("run").add_argument
+    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
+    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
+        "torchrun (None: one per GPU, or 2 on CPU)")
+    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
+        "for a lost or hung peer before the job fails (longer than any save or download)")
+    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
+    return add
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
