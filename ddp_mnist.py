@@ -15,28 +15,14 @@ MNIST downloads into --data-dir (default data); offline, `python tests/digits_mn
 writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
 """
 import argparse
-import datetime
-import fcntl
-import gc
-import json
-import math
 import os
-import re
-import resource
-import shutil
-import socket
-import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
@@ -132,10 +118,11 @@ def save_model(model, path="mnist_cnn.pt"):
     # The same call as under FSDP; here it drops DDP's "module." prefix and copies to the CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
-    if dist.get_rank() == 0:
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
-        rank0_print(f"Saved {path}")
+    with saving(path, state, "--save-model"):  # space checked first; a failed write: one line
+        if dist.get_rank() == 0:
+            torch.save(state, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
+            rank0_print(f"Saved {path}")
     return path
 
 
@@ -187,14 +174,8 @@ def parse_args():
     add("--dry-run", action="store_true", help="one training and one test batch per epoch")
     add = parser.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder of MNIST/raw; downloaded there if missing")
-    add = parser.add_argument_group("run").add_argument
-    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
-    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
-        "torchrun (None: one per GPU, or 2 on CPU)")
-    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
-        "for a lost or hung peer before the job fails (longer than the MNIST download)")
+    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
-    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
     return parser.parse_args()
 
 
@@ -202,6 +183,32 @@ def parse_args():
 # Safeguards: this script's own checks and one-line errors (its MNIST files, their download). The
 # lesson calls each in one line; they are not part of it.
 # ==================================================================================================
+# The imports of the safeguards and of the plumbing (the lesson's own are at the top).
+import contextlib
+import datetime
+import errno
+import fcntl
+import gc
+import json
+import math
+import multiprocessing.connection
+import re
+import resource
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def resume_hint(args):
+    """What a rerun does, said by the plumbing when Ctrl-C or SIGTERM stops the run."""
+    return "MNIST runs keep no checkpoint: a rerun starts from epoch 1"
+
 
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
 MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
@@ -290,9 +297,10 @@ def idx_problem(path):
 
 # ==================================================================================================
 # Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
-# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank, output
-# checks and locks, time and memory figures, the metrics file, process-group set-up, launching.
-# It calls the script's main(args, device) and parse_args(), and quotes its MEMORY_ADVICE.
+# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
+# input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
+# metrics file, process-group set-up, launching, the flags every script has. It calls the
+# script's main(args, device), parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -304,11 +312,16 @@ def fail(message, node_local=False):
     """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
     it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
     too (torchrun stops all workers once one has failed), but does when the problem is its own."""
+    FAILING.append(message)  # the launcher's SIGTERM that may follow is not an interruption
     if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
         message = f"rank {os.environ['RANK']}: {message}"
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
+
+
+FAILING = []  # this process is ending with an error line of its own (or a peer's)
+PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
 def agree_on_error(error):
@@ -358,6 +371,58 @@ def lock_folder(flag, folder):
 
 
 HELD_LOCKS = []
+
+
+def space_problem(folder, needed, flag):
+    """Why folder's filesystem cannot take `needed` more bytes (and 1 MiB to spare), or None:
+    checked before a save, so that a full disk stops the run before it writes anything."""
+    free = shutil.disk_usage(folder).free
+    if free >= needed + 2**20:
+        return None
+    return (f"not enough space to save into {folder}: the save needs {needed / 2**20:,.1f} MiB, "
+            f"{free / 2**20:,.1f} MiB are free; free space there (delete older checkpoints or "
+            f"other files), or pass another {flag}")
+
+
+@contextlib.contextmanager
+def saving(path, state, flag):
+    """Around rank 0's write of state (a state dict) to path: first the free space is checked
+    against its size; then a failed write (a full disk, an I/O error) stops every rank with one
+    line, and the half-written path.tmp is removed."""
+    error, tensors = None, [t for t in state.values() if torch.is_tensor(t)]
+    if dist.get_rank() == 0:
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        error = space_problem(os.path.dirname(path), needed, flag)
+    agree_on_error(error)
+    try:
+        yield
+    except Exception as e:
+        error = write_problem(e, path, flag)
+        if error is None:
+            raise
+        if os.path.isdir(f"{path}.tmp"):
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+        elif os.path.exists(f"{path}.tmp"):
+            os.remove(f"{path}.tmp")
+    agree_on_error(error)
+
+
+def write_problem(error, path, flag):
+    """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
+    no space left), torch.save's RuntimeError, or a DCP CheckpointException, which wraps each
+    failed rank's exception and traceback: its root cause's type and first sentence."""
+    failures = getattr(error, "failures", None)  # a CheckpointException
+    cause = next(iter(failures.values()))[0] if failures else error
+    if not isinstance(cause, OSError) and "write" not in str(cause):
+        return None
+    if getattr(cause, "errno", None) == errno.ENOSPC or "space" in str(cause).lower():
+        reason = "no space left on the device"
+    else:
+        reason = f"{type(cause).__name__}: {' '.join(str(cause).split()).split('. ')[0][:200]}"
+    folder = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    return (f"cannot write {path} ({reason}; {free / 2**20:,.1f} MiB free in {folder}); free "
+            f"space there, or pass another {flag}; what was saved before is intact")
 
 
 def stop_if_diverged(where, tensors, advice):
@@ -449,7 +514,10 @@ def init_process_group(backend, timeout):
 
 @record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
-    """main(args, device) in this process's process group; a lost peer ends it in one line."""
+    """main(args, device) in this process's process group; a lost peer or Ctrl-C ends it in one
+    line."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: stop_on_signal(signum, args))
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda and local_world_size > gpus:
         fail(f"{local_world_size} processes on this node but {gpus} GPUs visible; start at most "
@@ -469,6 +537,10 @@ def run_worker(args, use_cuda):
             fail(f"out of memory ({reason[0]}): {MEMORY_ADVICE}")
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
+        # A peer that failed first says why, and the launcher then stops this process: give it
+        # the time to, so that the root cause is the line a user sees (first, and alone).
+        FAILING.append(e)
+        time.sleep(5)
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
         print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank "
               "died, hung or lost its network, or took longer than --dist-timeout "
@@ -484,6 +556,21 @@ def run_worker(args, use_cuda):
         # Faster exit, not a fix: Python's last collection at exit walks every object torch made
         # (0.6 s per process, a good part of a short run); frozen, they go with the process.
         gc.freeze()
+
+
+def stop_on_signal(signum, args):
+    """Ctrl-C (SIGINT) or SIGTERM: exit at once, with the status of a process killed by it (130,
+    143) and one line from rank 0 saying where a rerun resumes; no traceback from any rank. An
+    asynchronous checkpoint still being written stays a .tmp folder, which a resume ignores.
+    Silent when this process is already ending with an error (the launcher stops the others)."""
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)  # the launcher passes the signal on: once is enough
+    if int(os.environ.get("RANK", "0")) == 0 and not FAILING:
+        line = (f"interrupted by {signal.Signals(signum).name}{PROGRESS['at']}; "
+                f"{resume_hint(args)}\n")
+        os.write(sys.stderr.fileno(), line.encode())  # not print: safe wherever Python stopped
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 def spawn_worker(rank, args, use_cuda, world_size, port):
@@ -512,11 +599,34 @@ def launch(args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    try:
-        mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size)
-    except mp.ProcessExitedException as e:  # the failing worker has said why
-        sys.exit(e.exit_code or 1)
+    workers = mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size,
+                       join=False).processes
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a kill of this process: pass it on
+        signal.signal(signum, lambda signum, frame: [os.kill(w.pid, signum) for w in workers
+                                                     if w.exitcode is None])
+    # Wait until all end well or one fails; that one has said why: the others are stopped without
+    # a word (as torchrun does, but without its SIGTERM, which they would take for Ctrl-C).
+    while any(w.exitcode is None for w in workers) and all(w.exitcode in (None, 0)
+                                                            for w in workers):
+        multiprocessing.connection.wait([w.sentinel for w in workers if w.exitcode is None])
+    failed = next((w.exitcode for w in workers if w.exitcode), 0)
+    for worker in workers:
+        worker.kill()
+        worker.join()
     gc.freeze()  # a faster exit, as in run_worker
+    sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
+
+
+def add_run_flags(parser):
+    """The flags of every script about how it runs; returns their group, for the script's own."""
+    add = parser.add_argument_group("run").add_argument
+    add("--cpu", "--no-cuda", action="store_true", help="CPU and gloo even if there are GPUs")
+    add("--world-size", type=positive(int), metavar="N", help="processes to start without "
+        "torchrun (None: one per GPU, or 2 on CPU)")
+    add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
+        "for a lost or hung peer before the job fails (longer than any save or download)")
+    add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
+    return add
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):

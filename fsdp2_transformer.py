@@ -1048,6 +1048,29 @@ def space_problem(folder, needed, flag):
             f"other files), or pass another {flag}")
 
 
+@contextlib.contextmanager
+def saving(path, state, flag):
+    """Around rank 0's write of state (a state dict) to path: first the free space is checked
+    against its size; then a failed write (a full disk, an I/O error) stops every rank with one
+    line, and the half-written path.tmp is removed."""
+    error, tensors = None, [t for t in state.values() if torch.is_tensor(t)]
+    if dist.get_rank() == 0:
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        error = space_problem(os.path.dirname(path), needed, flag)
+    agree_on_error(error)
+    try:
+        yield
+    except Exception as e:
+        error = write_problem(e, path, flag)
+        if error is None:
+            raise
+        if os.path.isdir(f"{path}.tmp"):
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+        elif os.path.exists(f"{path}.tmp"):
+            os.remove(f"{path}.tmp")
+    agree_on_error(error)
+
+
 def write_problem(error, path, flag):
     """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
     no space left), torch.save's RuntimeError, or a DCP CheckpointException, which wraps each

@@ -128,11 +128,13 @@ def test_functions_take_the_values_they_use(script):
 
 @pytest.mark.parametrize("script", list(LESSONS))
 def test_help_groups_the_flags(script):
-    """parse_args() puts its flags in named groups (model, data, FSDP, checkpointing, run...)."""
+    """parse_args() puts its flags in named groups (model, data, FSDP, checkpointing, run...): its
+    own, and the plumbing's add_run_flags()."""
     lesson = parts(script)[0]
     parse_args = next(node for node in definitions(lesson) if node.name == "parse_args")
-    groups = [node for node in ast.walk(parse_args) if isinstance(node, ast.Call)
-              and getattr(node.func, "attr", None) == "add_argument_group"]
+    groups = [node for node in ast.walk(parse_args) if isinstance(node, ast.Call) and (
+        getattr(node.func, "attr", None) == "add_argument_group"
+        or getattr(node.func, "id", None) == "add_run_flags")]
     assert len(groups) >= 3, f"{script}: {len(groups)} argument groups"
 
 
