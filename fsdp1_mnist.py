@@ -143,7 +143,7 @@ def save_model(model, path="mnist_cnn.pt"):
     # Every rank gathers; with cpu_offload only rank 0 receives the full tensors, on CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=offload_state_dict(model))
     state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
-    with saving(path, state, "--save-model"):  # space checked first; a failed write: one line
+    with saving(path, state, "run it in another folder"):  # space checked; errors: one line
         if dist.get_rank() == 0:
             torch.save(state, f"{path}.tmp")
             os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
@@ -473,31 +473,32 @@ def lock_folder(flag, folder):
 HELD_LOCKS = []
 
 
-def space_problem(folder, needed, flag):
+def space_problem(folder, needed, elsewhere):
     """Why folder's filesystem cannot take `needed` more bytes (and 1 MiB to spare), or None:
-    checked before a save, so that a full disk stops the run before it writes anything."""
+    checked before a save, so that a full disk stops the run before it writes anything.
+    elsewhere: how to save somewhere else ("pass another --checkpoint-dir")."""
     free = shutil.disk_usage(folder).free
     if free >= needed + 2**20:
         return None
     return (f"not enough space to save into {folder}: the save needs {needed / 2**20:,.1f} MiB, "
             f"{free / 2**20:,.1f} MiB are free; free space there (delete older checkpoints or "
-            f"other files), or pass another {flag}")
+            f"other files), or {elsewhere}")
 
 
 @contextlib.contextmanager
-def saving(path, state, flag):
+def saving(path, state, elsewhere):
     """Around rank 0's write of state (a state dict) to path: first the free space is checked
     against its size; then a failed write (a full disk, an I/O error) stops every rank with one
     line, and the half-written path.tmp is removed."""
     error, tensors = None, [t for t in state.values() if torch.is_tensor(t)]
     if dist.get_rank() == 0:
         needed = sum(t.numel() * t.element_size() for t in tensors)
-        error = space_problem(os.path.dirname(path), needed, flag)
+        error = space_problem(os.path.dirname(path), needed, elsewhere)
     agree_on_error(error)
     try:
         yield
     except Exception as e:
-        error = write_problem(e, path, flag)
+        error = write_problem(e, path, elsewhere)
         if error is None:
             raise
         if os.path.isdir(f"{path}.tmp"):
@@ -507,22 +508,26 @@ def saving(path, state, flag):
     agree_on_error(error)
 
 
-def write_problem(error, path, flag):
+def write_problem(error, path, elsewhere):
     """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
-    no space left), torch.save's RuntimeError, or a DCP CheckpointException, which wraps each
-    failed rank's exception and traceback: its root cause's type and first sentence."""
+    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or a DCP
+    CheckpointException, which wraps each failed rank's exception and traceback: its root
+    cause's type and first sentence."""
     failures = getattr(error, "failures", None)  # a CheckpointException
     cause = next(iter(failures.values()))[0] if failures else error
-    if not isinstance(cause, OSError) and "write" not in str(cause):
+    text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
+    if not isinstance(cause, (OSError, RuntimeError)) or isinstance(
+            cause, (dist.DistError, torch.OutOfMemoryError)) or re.search(
+            r"gloo|nccl|NCCL|allocate memory", text):  # not the write's: a peer's, or memory
         return None
-    if getattr(cause, "errno", None) == errno.ENOSPC or "space" in str(cause).lower():
-        reason = "no space left on the device"
-    else:
-        reason = f"{type(cause).__name__}: {' '.join(str(cause).split()).split('. ')[0][:200]}"
     folder = os.path.dirname(os.path.abspath(path))
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    if getattr(cause, "errno", None) == errno.ENOSPC or free < 2**20:  # torch.save names no errno
+        reason = "no space left on the device"
+    else:
+        reason = f"{type(cause).__name__}: {text.split('. ')[0][:200]}"
     return (f"cannot write {path} ({reason}; {free / 2**20:,.1f} MiB free in {folder}); free "
-            f"space there, or pass another {flag}; what was saved before is intact")
+            f"space there, or {elsewhere}")
 
 
 def stop_if_diverged(where, tensors, advice):
@@ -638,8 +643,8 @@ def run_worker(args, use_cuda):
         if not (isinstance(e, dist.DistError) or "gloo" in str(e)):  # gloo's are RuntimeErrors
             raise
         # A peer that failed first says why, and the launcher then stops this process: give it
-        # the time to, so that the root cause is the line a user sees (first, and alone).
-        FAILING.append(e)
+        # the time to, so that the root cause is the line a user sees first. (After Ctrl-C, the
+        # peers that stopped first make this rank's collective fail: its handler speaks here.)
         time.sleep(5)
         reason = re.sub(r"^\[[^]]*\] ", "", str(e).strip().splitlines()[0])  # gloo's source line
         print(f"error: rank {os.environ['RANK']}: a collective failed ({reason}): another rank "
@@ -701,14 +706,24 @@ def launch(args):
         port = s.getsockname()[1]
     workers = mp.spawn(spawn_worker, args=(args, use_cuda, world_size, port), nprocs=world_size,
                        join=False).processes
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a kill of this process: pass it on
-        signal.signal(signum, lambda signum, frame: [os.kill(w.pid, signum) for w in workers
-                                                     if w.exitcode is None])
-    # Wait until all end well or one fails; that one has said why: the others are stopped without
-    # a word (as torchrun does, but without its SIGTERM, which they would take for Ctrl-C).
-    while any(w.exitcode is None for w in workers) and all(w.exitcode in (None, 0)
-                                                            for w in workers):
-        multiprocessing.connection.wait([w.sentinel for w in workers if w.exitcode is None])
+    signalled = []  # when
+
+    def pass_on(signum, frame):  # Ctrl-C, or a kill of this process: the workers stop themselves
+        signalled.append(time.monotonic())
+        for worker in workers:
+            if worker.exitcode is None:
+                os.kill(worker.pid, signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, pass_on)
+    # Wait until all end well, or one fails: it has said why, and the others are stopped without
+    # a word (SIGKILL: a SIGTERM they would take for Ctrl-C). After a signal, they stop on their
+    # own (rank 0 says where a rerun resumes), within 30 s.
+    while any(w.exitcode is None for w in workers) and (
+            all(w.exitcode in (None, 0) for w in workers) or signalled):
+        multiprocessing.connection.wait([w.sentinel for w in workers if w.exitcode is None], 1)
+        if signalled and time.monotonic() - signalled[0] > 30:
+            break
     failed = next((w.exitcode for w in workers if w.exitcode), 0)
     for worker in workers:
         worker.kill()

@@ -3,6 +3,7 @@ memory, errors."""
 import json
 import math
 import re
+import statistics
 import sys
 import time
 
@@ -321,3 +322,34 @@ def test_cpu_offload_and_mixed_precision_on_gpu(torchrun):
     assert result.returncode == 0, result.output
     assert result.metrics["device"] == "cuda" and result.metrics["backend"] == "nccl"
     assert result.metrics["train_loss"] < 0.5 * math.log(128)
+
+
+# FSDP2_REFERENCE's losses as the script computed them before a DataLoader fed its steps (commit
+# 07a9295, which built each batch in the loop): the input pipeline must feed the same tokens.
+LOSSES_BEFORE_THE_DATALOADER = [
+    4.167537, 4.143673, 4.095955, 4.067287, 4.088677, 4.008232, 3.957916, 3.904251, 3.921752,
+    3.869981, 3.773191, 3.874228, 3.847792, 3.724806, 3.722269, 3.774118, 3.765508, 3.646113,
+    3.657988, 3.628861]
+
+
+def test_the_data_loader_feeds_the_same_batches(fsdp2_reference):
+    assert fsdp2_reference.metrics["losses"] == pytest.approx(LOSSES_BEFORE_THE_DATALOADER,
+                                                              rel=1e-5)
+
+
+def test_the_summary_is_the_steady_state(fsdp2_reference):
+    """The first step (start-up) and checkpoint pauses are left out: tokens/s is that of the median
+    step, and every save's pause is listed, once per checkpoint."""
+    metrics = fsdp2_reference.metrics
+    steady = metrics["step_times_s"][metrics["warmup_steps"]:]
+    assert metrics["warmup_steps"] == 1 and len(metrics["step_times_s"]) == 20
+    assert metrics["step_time_s"] == statistics.median(steady)
+    assert metrics["tokens_per_s"] == pytest.approx(8 * 16 / metrics["step_time_s"])
+    assert metrics["step_time_s"] < metrics["step_times_s"][0]  # start-up is slower
+    assert len(metrics["checkpoint_stall_s"]) == 2 and all(
+        0 < s < 60 for s in metrics["checkpoint_stall_s"])
+    line = next(line for line in fsdp2_reference.stdout.splitlines() if line.startswith("Trained"))
+    assert f"{metrics['tokens_per_s']:,.0f} tokens/s in the steady state" in line
+    assert "the first 1 step(s) and checkpoint pauses left out" in line
+    assert re.search(r"Saved checkpoint \S+step_000010, training paused \d+\.\d\d s",
+                     fsdp2_reference.stdout)

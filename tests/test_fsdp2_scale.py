@@ -65,6 +65,20 @@ def test_sharded_checkpoint_files_hold_half_the_state(fsdp2_sharded_reference,
     assert f"Saved checkpoint {sharded} (in the background)" in fsdp2_sharded_reference.stdout
 
 
+def test_async_saves_reuse_their_staging_memory_and_all_complete(fsdp2_sharded_reference):
+    """--async-checkpoint copies the shards into host memory allocated at the first save and
+    reused by the next (no new staging memory), and pauses training only for that copy, once per
+    save; the save still in flight when the run ends is waited for: every folder is complete."""
+    metrics = fsdp2_sharded_reference.metrics
+    first, *later = metrics["checkpoint_staging_bytes"]
+    # this rank's parameters and AdamW's two moments: 3/4 of its parameters + gradients + moments
+    assert 0.74 < first / metrics["train_state_bytes"] < 0.76 and later == [0], first
+    assert len(metrics["checkpoint_stall_s"]) == 2
+    folder = fsdp2_sharded_reference.cwd / "ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_000010", "step_000020"]
+    assert all((folder / name / "COMPLETE").exists() for name in ("step_000010", "step_000020"))
+
+
 def test_sharded_resume_at_the_same_world_size_is_exact(fsdp2_sharded_reference,
                                                          resumed_from_sharded):
     """10 steps + resume to 20 equals 20 straight, bit for bit: the losses and every tensor of the

@@ -1,0 +1,202 @@
+"""The edges of a long run: a disk that fills during a save, and Ctrl-C or SIGTERM. Each ends in
+one line that names the cause (no worker traceback), keeps the last complete checkpoint, and
+leaves nothing running.
+
+A full disk is real: a small tmpfs that the test mounts (root only; skipped otherwise). The
+scripts check the free space before each save; a copy of a script without that check meets the
+disk filling up (ENOSPC) during the write itself, as when another process fills the disk."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (
+    FSDP2_TINY,
+    MNIST_TINY,
+    REPO,
+    full_state_of,
+    run_command,
+    script_with_lines,
+    single_error_line,
+    torchrun_command,
+)
+
+FSDP2_SAVING = [*FSDP2_TINY, "--steps", 20, "--save-every", 5, "--checkpoint-dir", "ckpt"]
+FORMATS = {"full": [], "sharded": ["--checkpoint-format", "sharded"],
+           "sharded async": ["--checkpoint-format", "sharded", "--async-checkpoint"]}
+# Two MiB hold one checkpoint of FSDP2_TINY (0.6 MB) and the MiB the scripts keep to spare.
+SMALL_DISK = "2m"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(folder, size): a tmpfs of that size at folder (made), unmounted after the test."""
+    mounted = []
+
+    def mount(folder, size):
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", folder],
+                                capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", folder], check=False)
+
+
+def complete_checkpoints(folder):
+    return sorted(p.name for p in folder.iterdir() if (p / "COMPLETE").exists())
+
+
+def no_process_left(cwd):
+    """No process still runs with cwd as its working directory (a worker left behind)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                left.append(pid)
+        except OSError:
+            continue
+    return left == []
+
+
+@pytest.mark.parametrize("options", FORMATS.values(), ids=FORMATS.keys())
+def test_fsdp2_refuses_a_save_the_disk_cannot_hold(tmp_path, small_disk, options):
+    """The checkpoint of step 5 fits on the disk, that of step 10 would not: the run stops before
+    writing it, in one line with the folder, the bytes needed and free, what to do, and the
+    checkpoint a rerun resumes from, which is complete."""
+    small_disk(tmp_path / "ckpt", SMALL_DISK)
+    result = run_command(torchrun_command("fsdp2_transformer.py", [*FSDP2_SAVING, *options], 2),
+                         tmp_path, timeout=120)
+    line = single_error_line(result)
+    assert result.returncode != 0
+    assert re.search(rf"not enough space to save into {tmp_path / 'ckpt'}: the save needs "
+                     r"0\.\d MiB, 1\.\d MiB are free; free space there", line), line
+    assert f"the last complete checkpoint is step 5 ({tmp_path / 'ckpt' / 'step_000005'})" in line
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000005"]
+    assert complete_checkpoints(tmp_path / "ckpt") == ["step_000005"]
+    assert full_state_of(tmp_path / "ckpt" / "step_000005")
+    assert no_process_left(tmp_path)
+
+
+@pytest.mark.parametrize("options", FORMATS.values(), ids=FORMATS.keys())
+def test_fsdp2_disk_filling_during_a_save(tmp_path, small_disk, options):
+    """Without the free-space check (as when another process fills the disk meanwhile), the
+    write itself fails with ENOSPC: one line from the rank that met it, which says so, the
+    half-written folder removed, the checkpoints before kept and complete."""
+    small_disk(tmp_path / "ckpt", SMALL_DISK)
+    script = script_with_lines("fsdp2_transformer.py", tmp_path,
+                               "def space_problem(folder, needed, elsewhere):\n",
+                               "    return None  # as if the disk had room when checked\n")
+    result = run_command(torchrun_command(script, [*FSDP2_SAVING, *options], 2), tmp_path,
+                         timeout=120)
+    line = single_error_line(result)
+    assert result.returncode != 0
+    assert re.search(rf"cannot write {tmp_path / 'ckpt' / 'step_0000'}\d\d\.tmp\S* \(no space "
+                     rf"left on the device; 0\.\d MiB free in {tmp_path / 'ckpt'}", line), line
+    assert "the last complete checkpoint is step" in line
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert saved and saved == complete_checkpoints(tmp_path / "ckpt")  # no .tmp left
+    assert f"the last complete checkpoint is step {int(saved[-1][5:])} " in line
+    assert no_process_left(tmp_path)
+
+
+@pytest.mark.parametrize("script", ["fsdp1_mnist.py", "ddp_mnist.py"])
+def test_mnist_save_model_on_a_full_disk(tmp_path, small_disk, mnist_dir, script):
+    """mnist_cnn.pt (4.8 MB) is refused on a disk of 4 MiB, in one line; with the check gone, the
+    write fails with ENOSPC (put there by a line added to a copy of the script): one line too,
+    and no half-written file."""
+    cwd = small_disk(tmp_path / "run", "4m")
+    args = ["--data-dir", mnist_dir, "--epochs", 1, "--dry-run", *MNIST_TINY, "--save-model"]
+    refused = run_command(torchrun_command(script, args, 2), cwd, timeout=120)
+    line = single_error_line(refused)
+    assert re.search(rf"not enough space to save into {cwd}: the save needs 4\.6 MiB, \d\.\d MiB "
+                     r"are free; .* or run it in another folder", line), line
+    copy = script_with_lines(
+        script, tmp_path, '    with saving(path, state, "run it in another folder"):  # space '
+        'checked; errors: one line\n', "        if dist.get_rank() == 0:\n"
+        "            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f'{path}.tmp')\n")
+    cwd = tmp_path / "roomy"  # the check passes; then the injected ENOSPC
+    cwd.mkdir()
+    failed = run_command(torchrun_command(copy, args, 2), cwd, timeout=120)
+    line = single_error_line(failed)
+    assert f"cannot write {cwd / 'mnist_cnn.pt'} (no space left on the device;" in line, line
+    assert sorted(p.name for p in cwd.iterdir()) == []
+
+
+def start(cwd, command):
+    """Start command in cwd in a session of its own (as a terminal's job), its output in files."""
+    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
+        return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err,
+                                start_new_session=True)
+
+
+def interrupt_after(job, cwd, text, signum, to_group=True):
+    """Send signum (to the job's process group, as Ctrl-C does, or to the launcher only) once
+    text is in its stdout; returns (exit status, stdout, stderr)."""
+    deadline = time.monotonic() + 120
+    while text not in (cwd / "stdout.txt").read_text():
+        assert job.poll() is None and time.monotonic() < deadline, (cwd / "stderr.txt").read_text()
+        time.sleep(0.05)
+    (os.killpg if to_group else os.kill)(job.pid, signum)
+    job.wait(timeout=60)
+    return job.returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+
+
+INTERRUPTED = re.compile(r"interrupted by (SIGINT|SIGTERM) at step (\d+); the last complete "
+                         r"checkpoint is step (\d+) \((\S+)\): run the same command to resume")
+
+
+@pytest.mark.parametrize("launcher, signum, to_group", [
+    ("torchrun", signal.SIGINT, True),
+    ("torchrun", signal.SIGINT, False),
+    ("python", signal.SIGINT, True),
+    ("python", signal.SIGTERM, False),
+], ids=["Ctrl-C under torchrun", "SIGINT to torchrun", "Ctrl-C under python",
+        "SIGTERM to python"])
+def test_fsdp2_interrupted(tmp_path, launcher, signum, to_group):
+    """One line names the step and the checkpoint a rerun resumes from; no worker traceback; the
+    exit status of a process killed by the signal (python; torchrun's own is 1); no asynchronous
+    save left without its marker; nothing left running; and the rerun resumes from it."""
+    args = [*FSDP2_TINY, "--steps", 100_000, "--save-every", 3, "--checkpoint-dir", "ckpt",
+            "--checkpoint-format", "sharded", "--async-checkpoint"]
+    command = (torchrun_command("fsdp2_transformer.py", args, 2) if launcher == "torchrun" else
+               [sys.executable, REPO / "fsdp2_transformer.py", *args, "--world-size", 2])
+    status, stdout, stderr = interrupt_after(start(tmp_path, command), tmp_path,
+                                             "step_000006", signum, to_group)
+    lines = [line for line in stderr.splitlines() if INTERRUPTED.search(line)]
+    assert len(lines) == 1, stderr
+    name, step, saved, path = INTERRUPTED.search(lines[0]).groups()
+    assert name == signum.name and int(step) >= 6 and int(saved) >= 6
+    if launcher == "python":
+        assert status == 128 + signum and stderr.strip() == lines[0]
+    else:  # torchrun says it stops the workers, and ends in its own traceback (SignalException)
+        assert status == 1 and stderr.count("Traceback") == 1 and "SignalException" in stderr
+        assert stderr.index(lines[0]) < stderr.index("Traceback")
+    folder = tmp_path / "ckpt"
+    assert complete_checkpoints(folder)[-1] == f"step_{int(saved):06d}" == os.path.basename(path)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".tmp")) == (
+        complete_checkpoints(folder))
+    assert no_process_left(tmp_path)
+    if launcher == "python" and signum == signal.SIGINT:
+        args[args.index("--steps") + 1] = int(saved) + 1
+        resumed = run_command(torchrun_command("fsdp2_transformer.py", args, 2), tmp_path, 120)
+        assert f"Resumed from {folder / f'step_{int(saved):06d}'} at step {saved}" in (
+            resumed.stdout), resumed.output
+
+
+def test_mnist_interrupted_says_it_starts_over(tmp_path, mnist_dir):
+    job = start(tmp_path, torchrun_command("ddp_mnist.py", ["--data-dir", mnist_dir, "--epochs",
+                                                            100, *MNIST_TINY], 2))
+    status, stdout, stderr = interrupt_after(job, tmp_path, "Train Epoch: 1", signal.SIGINT)
+    assert "interrupted by SIGINT; MNIST runs keep no checkpoint: a rerun starts from epoch 1" in (
+        stderr.splitlines()), stderr
+    assert stderr.count("Traceback") == 1 and no_process_left(tmp_path)
