@@ -205,6 +205,11 @@ import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
+def check_flags(args, device, world_size):
+    """The plumbing checks the flags before the process group starts: DDP on MNIST has no flag a
+    device or world size could refuse (argparse has checked each value)."""
+
+
 def resume_hint(args):
     """What a rerun does, said by the plumbing when Ctrl-C or SIGTERM stops the run."""
     return "MNIST runs keep no checkpoint: a rerun starts from epoch 1"
@@ -300,7 +305,8 @@ def idx_problem(path):
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
 # input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
 # metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's main(args, device), parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
+# script's check_flags(args, device, world_size), main(args, device), parse_args() and
+# resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -530,6 +536,9 @@ def run_worker(args, use_cuda):
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # The script's flag checks, before any process group: a bad input fails at once, also each of
+    # torchrun's --max-restarts retries (torchrun retries every failure; nothing says "final").
+    check_flags(args, device, int(os.environ["WORLD_SIZE"]))
     try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))

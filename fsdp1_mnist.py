@@ -153,8 +153,7 @@ def save_model(model, path="mnist_cnn.pt"):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    # 1. Refuse what this device cannot do, seed, and check the outputs before any work.
-    check_flags(args, device)
+    # 1. Seed, and check the outputs before any work (the flags are checked: check_flags).
     torch.manual_seed(args.seed)
     check_outputs(args, {}, {"--save-model": args.save_model and "mnist_cnn.pt"})
     # 2. Data: every rank reads its own part of each set (DistributedSampler).
@@ -274,7 +273,7 @@ warnings.filterwarnings("ignore", "When using ``NO_SHARD`` for ``ShardingStrateg
                         "full_state_dict will", UserWarning)
 
 
-def check_flags(args, device):
+def check_flags(args, device, world_size):
     """One line and exit 1 for a flag this device cannot honour."""
     if args.cpu_offload and device.type != "cuda":
         fail("--cpu-offload moves parameters between GPU and host memory and needs a CUDA GPU; "
@@ -400,7 +399,8 @@ def offload_state_dict(model):
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
 # input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
 # metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's main(args, device), parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
+# script's check_flags(args, device, world_size), main(args, device), parse_args() and
+# resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -630,6 +630,9 @@ def run_worker(args, use_cuda):
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # The script's flag checks, before any process group: a bad input fails at once, also each of
+    # torchrun's --max-restarts retries (torchrun retries every failure; nothing says "final").
+    check_flags(args, device, int(os.environ["WORLD_SIZE"]))
     try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))

@@ -337,7 +337,6 @@ def load_with_dtensor_api(model, optimizer, path):
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
     world_size, rank, cuda = dist.get_world_size(), dist.get_rank(), device.type == "cuda"
-    check_flags(args, device, world_size)
     check_checkpoint_dir(args)  # writable, locked, and --no-resume / --overwrite
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
@@ -485,7 +484,8 @@ MEMORY_ADVICE = ("use a smaller --batch-size (or more --grad-accum-steps), --seq
 
 
 def check_flags(args, device, world_size):
-    """Stop with one line when the flags cannot work together here: every check in one place."""
+    """Stop with one line when the flags cannot work together here: every check in one place,
+    called by the plumbing before the process group starts."""
     if args.cpu_offload and device.type != "cuda":
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
@@ -965,7 +965,8 @@ def flops_per_token(model, seq_len):
 # tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
 # input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
 # metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's main(args, device), parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
+# script's check_flags(args, device, world_size), main(args, device), parse_args() and
+# resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -1195,6 +1196,9 @@ def run_worker(args, use_cuda):
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # The script's flag checks, before any process group: a bad input fails at once, also each of
+    # torchrun's --max-restarts retries (torchrun retries every failure; nothing says "final").
+    check_flags(args, device, int(os.environ["WORLD_SIZE"]))
     try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
         init_process_group("nccl" if use_cuda else "gloo",
                            datetime.timedelta(seconds=args.dist_timeout))
