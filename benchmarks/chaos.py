@@ -12,6 +12,9 @@ every step (or epoch) loss it printed equals the uninterrupted run's.
 
 Cases: FSDP2 with full checkpoints (DTensor API), sharded checkpoints, and sharded asynchronous
 checkpoints, one checkpoint per step; T5 with sharded checkpoints and --resume auto, one per epoch.
+The disk-full cases put FSDP2's checkpoints on a 64 MiB tmpfs (root only) that another process
+fills at a random moment, --fills times: each stop must be one line about space, and the same
+command, once space is freed, must resume to the uninterrupted run's final state.
 The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
 """
 import argparse
@@ -45,6 +48,10 @@ CASES = {  # name: (script, arguments, the printed line of a step's loss)
                     "--resume", "auto", "--no-track-memory", "--save-dir", "."],
                    r"Train Epoch: \t(\d+), Loss: \t(\S+)"),
 }
+
+
+# FSDP2 with its checkpoints on a small disk that another process fills (root only: a tmpfs)
+DISK_CASES = ["disk-full-full", "disk-full-sharded", "disk-full-sharded-async"]
 
 
 def workers(agent_pid):
@@ -147,10 +154,85 @@ def chaos_case(name, kills, steps, seed, workdir, fixtures):
             "restarts": output.count("Resumed from")}
 
 
+def disk_full_case(name, fills, steps, seed, workdir):
+    """Run FSDP2 (the format of `name`: disk-full-full, disk-full-sharded...) once on an ample disk,
+    and once with its --checkpoint-dir on a small tmpfs that another process fills at a random
+    moment, `fills` times: each time the run must stop in one error line that speaks of space
+    (refused before the save, or ENOSPC during it), keep its complete checkpoints, and, once the
+    filler's file and all but the newest checkpoint are deleted, resume with the same command.
+    Needs root (mount)."""
+    import torch
+    rng, pattern = random.Random(seed), CASES["full"][2]
+    args = [*FSDP2, *CASES[name.removeprefix("disk-full-")][1][len(FSDP2):], "--steps", str(steps)]
+    straight = workdir / name / "straight"
+    straight.mkdir(parents=True)
+    status, straight_output, _, _ = run("fsdp2_transformer.py", args, pattern, straight, 2)
+    cwd = workdir / name / "filled"
+    (cwd / "ckpt").mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", cwd / "ckpt"], check=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", str(REPO / "fsdp2_transformer.py"), *args]
+    outputs, stops = [], {"before the save": 0, "during the save": 0, "other": 0}
+    try:
+        while True:
+            with open(cwd / "output.txt", "w") as output:
+                agent = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+            filled = len(outputs) < fills
+            if filled:  # another process fills the disk while the run saves, step after step
+                while agent.poll() is None and not list((cwd / "ckpt").glob("step_*")):
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0, 1.0))
+                fill(cwd / "ckpt" / "filler")
+            agent.wait(timeout=600)
+            outputs.append(read(cwd))
+            if agent.returncode == 0:
+                break
+            errors = [line for line in outputs[-1].splitlines() if line.startswith("error:")]
+            kind = ("before the save" if errors and "not enough space" in errors[0] else
+                    "during the save" if errors and "no space left" in errors[0] else "other")
+            stops[kind] += 1
+            workers_said = outputs[-1].split("torch/distributed/elastic/multiprocessing")[0]
+            if not filled or kind == "other" or len(errors) != 1 or "Traceback" in workers_said:
+                break  # not a clean stop for lack of space (torchrun's own report follows it)
+            (cwd / "ckpt" / "filler").unlink()  # space freed: the filler's, older checkpoints
+            for old in sorted((cwd / "ckpt").glob("step_*"))[:-1]:
+                shutil.rmtree(old)
+    finally:
+        final = full_state_of(final_checkpoint(cwd)) if agent.returncode == 0 else {}
+        subprocess.run(["umount", "-l", cwd / "ckpt"], check=False)
+    expected = full_state_of(final_checkpoint(straight))
+    same_state = status == 0 and final.keys() == expected.keys() and all(
+        torch.equal(final[k], expected[k]) for k in expected)
+    straight_losses = losses(straight_output, pattern)
+    same_losses = all(all(loss == straight_losses[step][0] for loss in printed) for output in
+                      outputs for step, printed in losses(output, pattern).items())
+    return {"case": name, "fills": sum(stops.values()), "stopped_before_a_save":
+            stops["before the save"], "stopped_during_a_save": stops["during the save"],
+            "other_stops": stops["other"], "exit_status": agent.returncode,
+            "recovered": agent.returncode == 0 and same_state and same_losses,
+            "same_losses": same_losses, "same_final_state": same_state,
+            "restarts": sum(output.count("Resumed from") for output in outputs)}
+
+
+def fill(path):
+    """Append to path until its disk is full, as another process would."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(descriptor, b"\0" * 65536)
+    except OSError:  # ENOSPC
+        pass
+    finally:
+        os.close(descriptor)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=[*CASES, *DISK_CASES],
+                        default=[*CASES, *DISK_CASES])
+    parser.add_argument("--fills", type=int, default=5, help="disk-full cases: times another "
+                        "process fills the checkpoint disk")
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per killed run")
     parser.add_argument("--steps", type=int, default=400,
                         help="FSDP2 steps (T5 trains --steps // 10 epochs)")
@@ -168,15 +250,20 @@ def main():
     start, rows = time.monotonic(), []
     for name in args.cases:
         steps = args.steps if name != "t5-sharded" else max(2, args.steps // 10)
-        rows.append(chaos_case(name, args.kills, steps, args.seed, workdir, fixtures))
+        rows.append(disk_full_case(name, args.fills, steps, args.seed, workdir)
+                    if name in DISK_CASES else
+                    chaos_case(name, args.kills, steps, args.seed, workdir, fixtures))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    table = ["| case | kills | during a checkpoint write | restarts that resumed | recovered, "
+    table = ["| case | kills (disk fills) | during a checkpoint write | restarts that resumed | "
+             "recovered, "
              "final state bit-identical | every printed loss identical |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         recovered, same = ("yes" if row[k] else "NO" for k in ("recovered", "same_losses"))
-        table.append(f"| {row['case']} | {row['kills']} | {row['during_save']} | "
-                     f"{row['restarts']} | {recovered} | {same} |")
+        events = (f"{row['fills']} disk fills | {row['stopped_during_a_save']} (the others "
+                  f"refused before writing)" if "fills" in row else
+                  f"{row['kills']} | {row['during_save']}")
+        table.append(f"| {row['case']} | {events} | {row['restarts']} | {recovered} | {same} |")
     elapsed = time.monotonic() - start
     markdown = "\n".join([*table, "", f"{elapsed:.0f} s; killer seed {args.seed}"])
     print(markdown)
