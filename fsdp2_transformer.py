@@ -977,7 +977,7 @@ def add_plan_flags(parser):
         "(training state, gathered FSDP units, activations, logits) at --world-size and for "
         "1-64 ranks, whether it fits --plan-device-memory, and the cheapest flags that would "
         f"make it fit; then exit without training ({NOT_COUNTED}). Checked against real runs: "
-        "the training state to the byte; peaks of a 1B model on an H100 within 4%")
+        "the training state to the byte; peaks of a 1B model on an H100 within 6%%")
     add("--plan-device-memory", type=positive(float), metavar="GiB", help="one device's memory "
         "for --plan (default: the visible GPU's, else 80)")
 

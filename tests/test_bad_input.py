@@ -37,7 +37,7 @@ BASE_ARGS = {
 
 CASES = [  # id, script, args, what the error line must say
     ("MNIST missing", "fsdp1_mnist.py", ["--data-dir", "{tmp}/missing"],
-     ["missing/MNIST/raw", "downloading it failed", "--data-dir"]),
+     ["missing/MNIST/raw", "downloading it failed", "--data-dir", "tests/digits_mnist.py"]),
     ("MNIST truncated IDX", "fsdp1_mnist.py", ["--data-dir", "{truncated_idx}"],
      ["cannot read MNIST", "truncated_idx/MNIST/raw", "train-images-idx3-ubyte has 1000 bytes",
       "truncated?"]),
@@ -139,6 +139,13 @@ CASES = [  # id, script, args, what the error line must say
      ["holds a bert model, not T5"]),
     ("T5 header-only CSV", "t5_fsdp_finetune.py", ["--data-dir", "{header_only_csv}"],
      ["header_only_csv/wikihowAll.csv has its header but no article"]),
+    # Offline: what is missing, said at once (check_flags), before the hub is tried (its retries
+    # take 30 s).
+    ("T5 hub model offline", "t5_fsdp_finetune.py", ["--model-name", "fsdp-tests/no-such-t5"],
+     ["--model-name fsdp-tests/no-such-t5 is not a local directory", "HF_HUB_OFFLINE"]),
+    ("T5 missing data and model", "t5_fsdp_finetune.py",
+     ["--data-dir", "{empty}", "--model-name", "{tmp}/no_model"],
+     ["empty/wikihowAll.csv not found", "--model-name", "no_model: no such directory"]),
 ]
 
 

@@ -6,10 +6,20 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
-from conftest import REPO, run_command, single_error_line, t5_args, warning_lines
+from conftest import (
+    NO_NETWORK,
+    REPO,
+    T5_REFERENCE,
+    run_command,
+    single_error_line,
+    t5_args,
+    torchrun_command,
+    warning_lines,
+)
 from conftest import T5_INPUT_LENGTH as INPUT_LENGTH
 from conftest import T5_OUTPUT_LENGTH as OUTPUT_LENGTH
 from conftest import T5_VAL_SAMPLES as VAL_SAMPLES
@@ -62,6 +72,18 @@ def test_validation_loss_falls_every_epoch(t5_reference):
         assert f"Train Epoch: \t{epoch}, Loss: \t{train_loss:.4f}" in run.stdout
         assert f"Validation Loss: {val_loss:.4f}" in run.stdout
     assert metrics["samples_per_s"] > 0 and len(metrics["epoch_times"]) == 3
+
+
+def test_progress_bars_in_a_pipe_are_one_line_each(t5_reference):
+    """Written to a pipe (the tests capture output so), rank 0's progress bars carry no colour codes
+    and are not redrawn: each is one line, its final state. (The pipe's carriage returns would read
+    here as line breaks, so a redrawn bar shows as several lines.)"""
+    run = t5_reference
+    assert "\x1b[" not in run.output
+    bars = [re.sub(r" \[.*", "", line) for line in run.output.splitlines() if "%|" in line]
+    assert bars == [bar for epoch in (1, 2, 3) for bar in (
+        f"r0 Training Epoch {epoch}: 100%|##########| 16/16",
+        "Validation Epoch: 100%|##########| 4/4")], bars
 
 
 # The program is cut into adjacent literals where its lines are long: its text stays the same.
@@ -159,10 +181,11 @@ def test_cpu_ram_efficient_loading_lowers_the_memory_of_other_ranks(cached_torch
 
 
 def test_seed_and_batch_sizes_take_effect(t5_reference, t5_run):
-    """Another --seed gives other losses (the same seed the same: the spawn test); --batch-size 2
-    makes twice the steps of the default 4, which the progress bar and the metrics report."""
+    """Another --seed gives other losses (the same seed the same: the spawn test; this run also
+    serves the HYBRID_SHARD warning test); --batch-size 2 makes twice the steps of the default 4,
+    which the progress bar and the metrics report."""
     reference = t5_reference.metrics
-    seed_2 = t5_run("--seed", 2, "--no-save-model", epochs=1).metrics
+    seed_2 = t5_run(*STRATEGY_RUNS["HYBRID_SHARD"][1], epochs=1).metrics
     assert seed_2["train_losses"][0] != pytest.approx(reference["train_losses"][0], rel=1e-4)
     batch_2 = t5_run("--batch-size", 2, "--no-save-model", epochs=1)
     assert (batch_2.metrics["train_batches"], reference["train_batches"]) == (32, 16)
@@ -184,6 +207,28 @@ OPTIONS_BUILT = {
         "NO_SHARD, backward prefetch NONE, limit_all_gathers False, mixed precision param float32 "
         "reduce float32 buffer float32 (None: not cast), activation checkpointing of 0 T5Blocks",
 }
+
+
+# A run of each --sharding-strategy: (epochs, options). Each is a run that another test reads too
+# (cached_torchrun launches it once): the reference, the fp32 option runs, and the seed test's,
+# which uses HYBRID_SHARD (on one node of 2 processes it shards like FULL_SHARD, on a 1 x 2 mesh).
+STRATEGY_RUNS = {
+    "FULL_SHARD": (3, T5_REFERENCE),
+    **{options.split()[1]: (2, [*options.split(), "--mixed-precision", "fp32", "--no-save-model"])
+       for options in OPTIONS_BUILT},
+    "HYBRID_SHARD": (1, ["--seed", 2, "--sharding-strategy", "HYBRID_SHARD", "--no-save-model"]),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGY_RUNS))
+def test_no_strategy_prints_a_warning(t5_run, strategy):
+    """No --sharding-strategy prints a Python warning (FSDP1 deprecates NO_SHARD with a
+    FutureWarning per unit, which the script filters: the strategy works); world size 1, where
+    NO_SHARD's state dicts warn too, is the one-process test's."""
+    epochs, options = STRATEGY_RUNS[strategy]
+    run = t5_run(*options, epochs=epochs)
+    assert f"FSDP built 5 units: {strategy}," in run.stdout
+    assert warning_lines(run.output) == []
 
 
 @pytest.mark.parametrize("options", list(OPTIONS_BUILT))
@@ -263,16 +308,73 @@ def test_python_spawns_two_cpu_processes(t5_reference, tiny_t5_dir, wikihow_dir,
                                                       rel=1e-6)
 
 
-def test_one_process_uses_no_shard_without_warnings(torchrun, tiny_t5_dir, wikihow_dir):
+def test_one_process_uses_no_shard_without_warnings(tmp_path, tiny_t5_dir, wikihow_dir):
     """At world size 1 there is nothing to shard: the script says so and picks NO_SHARD itself, so
-    neither wrapping nor saving the model prints a warning."""
-    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 1), nproc=1)
-    assert run.returncode == 0, run.output
-    assert warning_lines(run.output) == []
-    assert ("FULL_SHARD with one process: NO_SHARD" in run.stdout
-            and "FSDP built 5 units: NO_SHARD" in run.stdout)
-    assert run.metrics["world_size"] == 1 and run.metrics["sharding_strategy"] == "NO_SHARD"
-    assert (run.cwd / run.metrics["checkpoint"]).is_dir()
+    neither wrapping nor saving the model prints a warning. Its output goes to one file, as a batch
+    job's log does: no carriage returns or colour codes, each progress bar one line, and no line
+    starts on a bar's line (as `Train Epoch` did after a bar cleared with a carriage return)."""
+    metrics_path = tmp_path / "metrics.json"
+    command = torchrun_command(SCRIPT, [*t5_args(tiny_t5_dir, wikihow_dir, 1), "--metrics-json",
+                                        metrics_path], 1)
+    with open(tmp_path / "log.txt", "wb") as log:
+        proc = subprocess.run([str(c) for c in command], cwd=tmp_path, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=300)
+    output = (tmp_path / "log.txt").read_bytes()
+    assert proc.returncode == 0, output.decode()
+    assert b"\r" not in output and b"\x1b[" not in output
+    lines = output.decode().splitlines()
+    assert warning_lines("\n".join(lines)) == []
+    assert "FULL_SHARD with one process: NO_SHARD" in lines
+    bar = re.compile(r"r0 Training Epoch 1: 100%\|#+\| 32/32 \[.*\]")  # the whole line
+    assert any(bar.fullmatch(line) for line in lines)
+    assert any(line.startswith("Train Epoch: \t1, Loss: \t") for line in lines)
+    assert any(line.startswith("FSDP built 5 units: NO_SHARD") for line in lines)
+    metrics = json.loads(metrics_path.read_text())
+    assert metrics["world_size"] == 1 and metrics["sharding_strategy"] == "NO_SHARD"
+    assert (tmp_path / metrics["checkpoint"]).is_dir()
+
+
+def test_no_cuda_is_the_tutorials_name_for_cpu(monkeypatch, tiny_t5_dir, wikihow_dir):
+    """--no-cuda (the tutorial's and the MNIST scripts' flag) sets what --cpu sets."""
+    from t5_fsdp_finetune import parse_args
+
+    command = [SCRIPT, "--model-name", str(tiny_t5_dir), "--data-dir", str(wikihow_dir)]
+    for flags, cpu in (([], False), (["--no-cuda"], True), (["--cpu"], True)):
+        monkeypatch.setattr(sys, "argv", command + flags)
+        assert parse_args().cpu is cpu, flags
+
+
+def test_an_unreachable_hub_fails_in_one_line_at_once(tmp_path, wikihow_dir):
+    """A hub id that is not in the cache, without network and without HF_HUB_OFFLINE: one line,
+    before any process group starts, instead of the hub client's retries (30 s, 10 log lines).
+    (With HF_HUB_OFFLINE: test_bad_input.py.)"""
+    command = [sys.executable, REPO / SCRIPT, "--model-name", "fsdp-tests/no-such-t5",
+               "--data-dir", wikihow_dir]
+    start = time.monotonic()
+    run = run_command(command, tmp_path, timeout=60, env={**NO_NETWORK, "HF_HUB_OFFLINE": "0"})
+    assert run.returncode == 1 and time.monotonic() - start < 45, run.output
+    assert "Retrying" not in run.output  # the hub client's "Retrying in 1s [Retry 1/5]"
+    line = single_error_line(run)
+    assert all(s in line for s in ("--model-name fsdp-tests/no-such-t5 is not a local directory",
+                                   "https://huggingface.co cannot be reached")), line
+
+
+def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
+    """resume_hint, the line the plumbing prints on Ctrl-C or SIGTERM: the newest complete
+    checkpoint of --save-dir, or that a rerun starts afresh."""
+    from argparse import Namespace
+
+    from t5_fsdp_finetune import resume_hint
+
+    args = Namespace(save_model=True, checkpoint_type="sharded", save_dir=str(tmp_path))
+    assert "a rerun starts afresh" in resume_hint(args)
+    for epoch in (1, 2):
+        (tmp_path / f"checkpoint-epoch-{epoch}").mkdir()
+        (tmp_path / f"checkpoint-epoch-{epoch}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-epoch-3.tmp").mkdir()
+    assert resume_hint(args).endswith(f"--resume auto continues from {tmp_path}/checkpoint-epoch-2")
+    args.checkpoint_type = "full"
+    assert "a rerun starts from epoch 1" in resume_hint(args)
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
@@ -295,8 +397,9 @@ def test_help_explains_every_flag(help_text):
              "--output-length", "--sharding-strategy", "--backward-prefetch", "--mixed-precision",
              "--activation-checkpointing", "--limit-all-gathers", "--track-memory",
              "--no-track-memory", "--run-validation", "--no-run-validation", "--save-model",
-             "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--cpu",
-             "--world-size", "--dist-timeout", "--metrics-json", "--cpu-ram-efficient-loading"]
+             "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--overwrite",
+             "--cpu", "--no-cuda", "--world-size", "--dist-timeout", "--metrics-json",
+             "--cpu-ram-efficient-loading"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f not in text] == []
     assert ("(default: t5-base)" in text and "(default: 1500)" in text
