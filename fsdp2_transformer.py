@@ -1240,26 +1240,42 @@ def space_problem(folder, needed, elsewhere):
 
 
 @contextlib.contextmanager
-def saving(path, state, elsewhere):
-    """Around rank 0's write of state (a state dict) to path: first the free space is checked
-    against its size; then a failed write (a full disk, an I/O error) stops every rank with one
-    line, and the half-written path.tmp is removed."""
-    error, tensors = None, [t for t in state.values() if torch.is_tensor(t)]
-    if dist.get_rank() == 0:
-        needed = sum(t.numel() * t.element_size() for t in tensors)
-        error = space_problem(os.path.dirname(path), needed, elsewhere)
-    agree_on_error(error)
+def saving(path, state, elsewhere, copies=1, sharded=False):
+    """Around a save of state (a state dict, nested) to path, written `copies` times: first the
+    free space is checked (by rank 0; with sharded, where every rank writes its shards, by each
+    node's local rank 0 for its ranks' shards); then a failed write (a full disk, an I/O error)
+    stops every rank with one line, and the half-written path*.tmp are removed."""
+    needed = copies * state_bytes(state)
+    if sharded:
+        sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+        dist.all_gather_object(sizes, needed)
+        first = dist.get_rank() // node * node  # torchrun numbers each node's ranks in a row
+        needed = sum(sizes[first:first + node])
+    checks = os.environ["LOCAL_RANK"] == "0" if sharded else dist.get_rank() == 0
+    agree_on_error(checks and space_problem(os.path.dirname(path), needed, elsewhere) or None)
+    error = None
     try:
         yield
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = write_problem(e, path, elsewhere)
         if error is None:
             raise
-        if os.path.isdir(f"{path}.tmp"):
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
-        elif os.path.exists(f"{path}.tmp"):
-            os.remove(f"{path}.tmp")
+        for leftover in glob.glob(f"{glob.escape(path)}*.tmp") if checks else ():
+            with contextlib.suppress(OSError):
+                shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
     agree_on_error(error)
+
+
+def state_bytes(state):
+    """The bytes of the tensors in a (nested) state dict; of a DTensor, its local shard."""
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    if torch.is_tensor(state):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def write_problem(error, path, elsewhere):

@@ -210,28 +210,28 @@ def export_model(model, tokenizer, path):
     stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never export it
     options = StateDictOptions(full_state_dict=True, cpu_offload=offload_to_cpu(model))
     state = get_model_state_dict(model, options=options)
-    if dist.get_rank() != 0:
-        return
-    with written_whole(f"{path}.pt") as tmp:  # a temporary name, renamed once complete
-        torch.save(state, tmp)
-    with torch.device("meta"):  # no second random initialization: the weights come from state
-        plain = T5ForConditionalGeneration(model.module.config)
-    plain.load_state_dict(state, assign=True)
-    plain.tie_weights()
-    plain.generation_config = model.module.generation_config
-    with written_whole(f"{path}-hf") as tmp:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-    rank0_print(f"Saved {path}.pt and {path}-hf")
+    with saving(path, state, ELSEWHERE, copies=2):  # room for both? a failed write: one line
+        if dist.get_rank() == 0:
+            with written_whole(f"{path}.pt") as tmp:  # a temporary name, renamed once complete
+                torch.save(state, tmp)
+            with torch.device("meta"):  # no second random initialization: weights from state
+                plain = T5ForConditionalGeneration(model.module.config)
+            plain.load_state_dict(state, assign=True)
+            plain.tie_weights()
+            plain.generation_config = model.module.generation_config
+            with written_whole(f"{path}-hf") as tmp:
+                plain.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+            rank0_print(f"Saved {path}.pt and {path}-hf")
 
 
 def save_sharded_checkpoint(model, optimizer, trainer_state, path):
     """Every rank writes its shards of the model and optimizer state with DCP (dcp.save is a
     collective); rank 0 adds the trainer state (epoch, scheduler, losses) last."""
     stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
-    with written_whole(path, every_rank=True) as tmp:  # path.tmp, renamed once complete
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # the shards
+    with saving(path, state, ELSEWHERE, sharded=True), written_whole(path, every_rank=True) as tmp:
+        dcp.save(state, checkpoint_id=tmp)  # into path.tmp, renamed once complete
         if dist.get_rank() == 0:
             with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
                 json.dump(trainer_state, f, indent=2)
@@ -442,6 +442,8 @@ from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from summarization_dataset import DOWNLOAD_HELP
+
+ELSEWHERE = "pass another --save-dir"  # where else a save can go, when a disk is full
 
 
 def resume_hint(args):
@@ -695,6 +697,7 @@ class FinalLine(tqdm):
 def progress_bar(loader, desc, colour):
     """Rank 0's progress bar: live, coloured and cleared at the end on a terminal, as in the
     tutorial; one line per loop when stderr is a file or a pipe (a log)."""
+    PROGRESS["at"] = f" in {desc.removeprefix('r0 ')}"  # for the line of an interrupted run
     if sys.stderr.isatty():
         return tqdm(loader, desc=desc, colour=colour, leave=False, disable=dist.get_rank() != 0)
     return FinalLine(loader, desc=desc, disable=dist.get_rank() != 0)
@@ -885,26 +888,42 @@ def space_problem(folder, needed, elsewhere):
 
 
 @contextlib.contextmanager
-def saving(path, state, elsewhere):
-    """Around rank 0's write of state (a state dict) to path: first the free space is checked
-    against its size; then a failed write (a full disk, an I/O error) stops every rank with one
-    line, and the half-written path.tmp is removed."""
-    error, tensors = None, [t for t in state.values() if torch.is_tensor(t)]
-    if dist.get_rank() == 0:
-        needed = sum(t.numel() * t.element_size() for t in tensors)
-        error = space_problem(os.path.dirname(path), needed, elsewhere)
-    agree_on_error(error)
+def saving(path, state, elsewhere, copies=1, sharded=False):
+    """Around a save of state (a state dict, nested) to path, written `copies` times: first the
+    free space is checked (by rank 0; with sharded, where every rank writes its shards, by each
+    node's local rank 0 for its ranks' shards); then a failed write (a full disk, an I/O error)
+    stops every rank with one line, and the half-written path*.tmp are removed."""
+    needed = copies * state_bytes(state)
+    if sharded:
+        sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+        dist.all_gather_object(sizes, needed)
+        first = dist.get_rank() // node * node  # torchrun numbers each node's ranks in a row
+        needed = sum(sizes[first:first + node])
+    checks = os.environ["LOCAL_RANK"] == "0" if sharded else dist.get_rank() == 0
+    agree_on_error(checks and space_problem(os.path.dirname(path), needed, elsewhere) or None)
+    error = None
     try:
         yield
-    except Exception as e:
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = write_problem(e, path, elsewhere)
         if error is None:
             raise
-        if os.path.isdir(f"{path}.tmp"):
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
-        elif os.path.exists(f"{path}.tmp"):
-            os.remove(f"{path}.tmp")
+        for leftover in glob.glob(f"{glob.escape(path)}*.tmp") if checks else ():
+            with contextlib.suppress(OSError):
+                shutil.rmtree(leftover) if os.path.isdir(leftover) else os.remove(leftover)
     agree_on_error(error)
+
+
+def state_bytes(state):
+    """The bytes of the tensors in a (nested) state dict; of a DTensor, its local shard."""
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    if torch.is_tensor(state):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def write_problem(error, path, elsewhere):

@@ -7,6 +7,7 @@ scripts check the free space before each save; a copy of a script without that c
 disk filling up (ENOSPC) during the write itself, as when another process fills the disk."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from conftest import (
     run_command,
     script_with_lines,
     single_error_line,
+    t5_args,
     torchrun_command,
 )
 
@@ -130,6 +132,32 @@ def test_mnist_save_model_on_a_full_disk(tmp_path, small_disk, mnist_dir, script
     line = single_error_line(failed)
     assert f"cannot write {cwd / 'mnist_cnn.pt'} (no space left on the device;" in line, line
     assert sorted(p.name for p in cwd.iterdir()) == []
+
+
+def test_t5_saves_on_a_full_disk(tmp_path, small_disk, tiny_t5_dir, wikihow_dir):
+    """On a 1.7 MiB disk the exported model (.pt and -hf, 0.5 MB) fits, the sharded checkpoint
+    after it (1.3 MB) would not: refused in one line, the export complete. Without the check (a
+    copy of the script), the checkpoint's DCP write meets ENOSPC: one line, no .tmp left."""
+    out = small_disk(tmp_path / "out", "1800k")
+    args = t5_args(tiny_t5_dir, wikihow_dir, 1, "--checkpoint-type", "sharded")
+    refused = run_command(torchrun_command("t5_fsdp_finetune.py", [*args, "--save-dir", out], 2),
+                          tmp_path, timeout=180)
+    line = single_error_line(refused)
+    assert re.search(rf"not enough space to save into {out}: the save needs 0\.\d MiB, 1\.\d MiB "
+                     r"are free; .* or pass another --save-dir", line), line
+    exported = sorted(p.name for p in out.iterdir())
+    assert len(exported) == 2 and exported[0].endswith("-hf") and exported[1].endswith(".pt")
+    copy = script_with_lines("t5_fsdp_finetune.py", tmp_path,
+                             "def space_problem(folder, needed, elsewhere):\n",
+                             "    return None  # as if the disk had room when checked\n")
+    shutil.copy(REPO / "summarization_dataset.py", tmp_path)
+    out = small_disk(tmp_path / "out2", "1m")
+    failed = run_command(torchrun_command(copy, [*args, "--save-dir", out], 2), tmp_path, 180)
+    line = single_error_line(failed)
+    assert re.search(rf"cannot write {out / 'checkpoint-epoch-1'}\S* \(no space left on the "
+                     r"device; 0\.\d MiB free", line), line
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert no_process_left(tmp_path)
 
 
 def start(cwd, command):
