@@ -1084,9 +1084,10 @@ def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixe
 def plan_text(model, plan, world_size, replicate, device_gib, options):
     """The plan as a table for people: this run's figures, then 1-64 ranks, then what would fit."""
     gib = 2**30
+    scale, unit = (gib, "GiB") if plan["peak_bytes"] >= gib else (2**20, "MiB")  # for display
     lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ("
              + (f"{replicate} replicas x {world_size // replicate} shards, HSDP" if replicate > 1
-                else "every parameter sharded over all ranks") + "), per rank, in GiB:"]
+                else "every parameter sharded over all ranks") + f"), per rank, in {unit}:"]
     rows = [("parameters (fp32 shards)", plan["parameter_bytes"]),
             ("gradients (fp32 shards)", plan["gradient_bytes"]),
             ("optimizer state (AdamW, fp32)", plan["optimizer_bytes"]),
@@ -1097,17 +1098,17 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
             ("activations saved for backward", plan["activation_bytes"]),
             ("logits and loss buffers", plan["logits_bytes"]),
             ("predicted peak", plan["peak_bytes"])]
-    lines += [f"  {name:<48}{value / gib:10.2f}" for name, value in rows]
-    lines.append(f"  {'fits one device of':<48}{device_gib:10.2f}  "
+    lines += [f"  {name:<48}{value / scale:10.2f}" for name, value in rows]
+    lines.append(f"  {'fits one device of (GiB)':<48}{device_gib:10.2f}  "
                  + ("yes" if plan["fits"] else "NO"))
-    lines.append("ranks | training state | activations | peak | fits (GiB per rank)")
+    lines.append(f"ranks | training state | activations | peak | fits ({unit} per rank)")
     for ranks in PLAN_RANKS:
         if options["batch_size"] % (ranks * options["grad_accum_steps"]):
             lines.append(f"{ranks:5} | --batch-size {options['batch_size']} does not divide")
             continue
         row = memory_plan(model, ranks, 1, **options)
-        lines.append(f"{ranks:5} | {row['train_state_bytes'] / gib:14.2f} | "
-                     f"{row['activation_bytes'] / gib:11.2f} | {row['peak_bytes'] / gib:6.2f} | "
+        figures = [row[k] / scale for k in ("train_state_bytes", "activation_bytes", "peak_bytes")]
+        lines.append(f"{ranks:5} | {figures[0]:14.2f} | {figures[1]:11.2f} | {figures[2]:6.2f} | "
                      + ("yes" if row["peak_bytes"] <= device_gib * gib else "no"))
     if not plan["fits"]:
         lines.append("To fit: " + "; ".join(ways_to_fit(model, world_size, replicate, device_gib,

@@ -231,6 +231,18 @@ def test_no_strategy_prints_a_warning(t5_run, strategy):
     assert warning_lines(run.output) == []
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGY_RUNS))
+def test_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strategy):
+    """--plan, which reads only config.json, gives each strategy's training state per rank
+    (FSDP1's padded flat shards, their gradients and AdamW state) as measured, within 1%."""
+    epochs, options = STRATEGY_RUNS[strategy]
+    measured = t5_run(*options, epochs=epochs).metrics["train_state_bytes"]
+    result = run_command([sys.executable, REPO / SCRIPT, "--plan", "--model-name", tiny_t5_dir,
+                          "--world-size", 2, "--sharding-strategy", strategy], tmp_path, 120)
+    assert result.returncode == 0 and "predicted peak" in result.stdout, result.output
+    assert result.metrics["plan"]["train_state_bytes"] == pytest.approx(measured, rel=0.01)
+
+
 @pytest.mark.parametrize("options", list(OPTIONS_BUILT))
 def test_fp32_options_give_the_same_losses(t5_reference, t5_run, options):
     """Same seed and data: sharding, prefetch, all-gather limits and activation checkpointing do not
