@@ -42,6 +42,20 @@ T5_REFERENCE = ["--checkpoint-type", "sharded"]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "smoke(*scripts): the two-minute tier (python -m pytest -m "
+                            "smoke): for each script named, what matters most")
+
+
+SMOKE = pytest.mark.smoke  # SMOKE("fsdp2_transformer.py"): a test of the smoke tier
+
+
+def pytest_collection_finish(session):
+    """With SMOKE_SCRIPTS_FILE set, write the scripts the collected smoke tests name (for
+    test_layout.py's check that the tier covers all four)."""
+    if os.environ.get("SMOKE_SCRIPTS_FILE"):
+        scripts = {script for item in session.items for mark in item.iter_markers("smoke")
+                   for script in mark.args}
+        Path(os.environ["SMOKE_SCRIPTS_FILE"]).write_text(json.dumps(sorted(scripts)))
 
 
 def pytest_collection_modifyitems(config, items):

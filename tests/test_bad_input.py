@@ -19,6 +19,7 @@ from conftest import (
     MNIST_TINY,
     NO_NETWORK,
     REPO,
+    SMOKE,
     copy_fsdp2_checkpoint,
     run_command,
     single_error_line,
@@ -342,8 +343,15 @@ def failed_runs(tmp_path_factory, request):
         return dict(pool.map(run, prepared))
 
 
-@pytest.mark.parametrize("name, expected", [(case[0], case[3]) for case in CASES],
-                         ids=[case[0] for case in CASES])
+# The smoke tier's cases: one per script.
+SMOKE_CASES = {"FSDP2 dim vs heads": "fsdp2_transformer.py",
+               "MNIST CPU offload without GPU": "fsdp1_mnist.py",
+               "MNIST batch size 0": "ddp_mnist.py", "T5 missing CSV": "t5_fsdp_finetune.py"}
+
+
+@pytest.mark.parametrize("name, expected", [
+    pytest.param(name, expected, marks=[SMOKE(SMOKE_CASES[name])] if name in SMOKE_CASES else [])
+    for name, _, _, expected in CASES], ids=[case[0] for case in CASES])
 def test_bad_input_fails_cleanly(failed_runs, name, expected):
     result, seconds, before, after = failed_runs[name]
     assert result.returncode != 0 and seconds < 60

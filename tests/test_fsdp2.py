@@ -12,6 +12,7 @@ import torch
 from conftest import FSDP2_TINY as TINY
 from conftest import (
     REPO,
+    SMOKE,
     copy_fsdp2_checkpoint,
     run_command,
     script_with_lines,
@@ -73,7 +74,7 @@ def test_default_command_learns_the_task(tmp_path):
 
 
 @pytest.mark.parametrize("nproc, options", [
-    (1, ["--cpu"]),
+    pytest.param(1, ["--cpu"], marks=SMOKE("fsdp2_transformer.py")),
     (2, ["--grad-accum-steps", 2]),
     (2, ["--explicit-prefetching", "--prefetch-depth", 1, "--no-reshard-after-forward"]),
 ], ids=["world size 1", "grad accumulation", "explicit prefetching, no reshard after forward"])
@@ -214,6 +215,7 @@ def test_gradient_accumulation_reduces_once_per_step(torchrun, tmp_path):
     assert json.loads(result.stdout.splitlines()[-1]) == {"1": 4, "3": 4}
 
 
+@SMOKE("fsdp2_transformer.py")
 def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, tmp_path,
                                                                       fsdp2_reference):
     """Written by 2 ranks with the DTensor API, resumed by 1 rank with the DCP API: the same
@@ -332,6 +334,7 @@ LOSSES_BEFORE_THE_DATALOADER = [
     3.657988, 3.628861]
 
 
+@SMOKE("fsdp2_transformer.py")
 def test_the_data_loader_feeds_the_same_batches(fsdp2_reference):
     assert fsdp2_reference.metrics["losses"] == pytest.approx(LOSSES_BEFORE_THE_DATALOADER,
                                                               rel=1e-5)

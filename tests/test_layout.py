@@ -2,7 +2,11 @@
 block, the same in all four; and the README stays short and names only flags that exist."""
 import ast
 import io
+import json
+import os
 import re
+import subprocess
+import sys
 import tokenize
 
 import pytest
@@ -137,6 +141,19 @@ def test_help_groups_the_flags(script):
         getattr(node.func, "attr", None) == "add_argument_group"
         or getattr(node.func, "id", None) == "add_run_flags")]
     assert len(groups) >= 3, f"{script}: {len(groups)} argument groups"
+
+
+def test_the_smoke_tier_covers_every_script(tmp_path):
+    """python -m pytest -m smoke runs, for each of the four scripts, tests that name it (with
+    @SMOKE(script)); collected here as pytest would, without running them."""
+    listing = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "smoke",
+                           "-p", "no:cacheprovider", str(REPO / "tests")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SMOKE_SCRIPTS_FILE": str(listing)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(listing.read_text()) == sorted(LESSONS)
+    assert len(re.findall(r"::test_", proc.stdout)) >= 2 * len(LESSONS), proc.stdout
 
 
 @pytest.mark.parametrize("script", ["fsdp1_mnist.py", "t5_fsdp_finetune.py"])

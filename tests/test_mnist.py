@@ -5,10 +5,11 @@ import sys
 
 import pytest
 from conftest import MNIST_TINY as TINY
-from conftest import NO_NETWORK, REPO, run_command, warning_lines
+from conftest import NO_NETWORK, REPO, SMOKE, run_command, warning_lines
 from digits_mnist import TEST_SIZE as MNIST_TEST
 
 SCRIPTS = ["ddp_mnist.py", "fsdp1_mnist.py"]
+SMOKE_SCRIPTS = [pytest.param(script, marks=SMOKE(script)) for script in SCRIPTS]
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def accuracy_lines(output):
     return [(int(c), int(n)) for c, n in re.findall(r"Accuracy: (\d+)/(\d+) \(", output)]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SMOKE_SCRIPTS)
 def test_learns_digits_under_torchrun(mnist_run, script):
     run = mnist_run(script, "--save-model")
     assert warning_lines(run.output) == []
@@ -74,7 +75,9 @@ BUILT = {
 }
 
 
-@pytest.mark.parametrize("options", list(BUILT))
+@pytest.mark.parametrize("options", [
+    pytest.param(options, marks=SMOKE("fsdp1_mnist.py", "ddp_mnist.py")) if options == "FULL_SHARD"
+    else options for options in BUILT])
 def test_fsdp_matches_ddp_in_fp32(mnist_run, options):
     """Same seed, same data order: every FSDP1 configuration reproduces DDP's per-epoch train
     losses, and prints what FSDP built from it (units, strategy, prefetch), read from the wrapped
@@ -126,7 +129,7 @@ def test_no_shard_prints_no_warning(mnist_run, nproc):
     assert warning_lines(run.output) == []
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", SMOKE_SCRIPTS)
 def test_saved_model_loads_into_plain_net(mnist_run, mnist_dir, script):
     run = mnist_run(script, "--save-model")
     assert (run.cwd / "mnist_cnn.pt").exists() and not list(run.cwd.glob("*.tmp"))

@@ -13,6 +13,7 @@ import torch
 from conftest import (
     NO_NETWORK,
     REPO,
+    SMOKE,
     T5_REFERENCE,
     run_command,
     single_error_line,
@@ -58,6 +59,7 @@ def tokenizer(tiny_t5_dir):
     return T5Tokenizer.from_pretrained(tiny_t5_dir)
 
 
+@SMOKE("t5_fsdp_finetune.py")
 def test_validation_loss_falls_every_epoch(t5_reference):
     run = t5_reference
     assert warning_lines(run.output) == []
@@ -130,6 +132,7 @@ def check_export(run, tiny_t5_dir, wikihow_dir):
     assert result["val_loss"] == pytest.approx(run.metrics["val_loss"], abs=1e-3)
 
 
+@SMOKE("t5_fsdp_finetune.py")
 def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
     """The HF directory loads with from_pretrained, generates text, and gives the logged best
     validation loss."""
@@ -140,6 +143,22 @@ def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_
     assert len(list(run.cwd.glob("T5-model-*.pt"))) == 3  # saved at every improvement
     assert not list(run.cwd.glob("*.tmp"))
     check_export(run, tiny_t5_dir, wikihow_dir)
+
+
+@SMOKE("t5_fsdp_finetune.py")
+def test_resume_from_a_sharded_checkpoint_continues_exactly(t5_reference, torchrun, tmp_path,
+                                                             tiny_t5_dir, wikihow_dir):
+    """--resume auto from the reference's epoch-2 checkpoint trains epoch 3 as the uninterrupted
+    run did: the same losses, bit for bit (dropout is reseeded per epoch)."""
+    epoch_2 = shutil.copytree(t5_reference.cwd / "checkpoint-epoch-2",
+                              tmp_path / "ckpt" / "checkpoint-epoch-2")
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE), "--resume",
+                   "auto", "--save-dir", "ckpt")
+    assert run.returncode == 0, run.output
+    assert re.search(rf"Resumed from \S*{epoch_2.relative_to(tmp_path)} \(epoch 2 done\)",
+                     run.stdout), run.stdout
+    assert run.metrics["train_losses"] == t5_reference.metrics["train_losses"]
+    assert run.metrics["val_losses"] == t5_reference.metrics["val_losses"]
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
