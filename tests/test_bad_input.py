@@ -343,10 +343,10 @@ def failed_runs(tmp_path_factory, request):
         return dict(pool.map(run, prepared))
 
 
-# The smoke tier's cases: one per script.
-SMOKE_CASES = {"FSDP2 dim vs heads": "fsdp2_transformer.py",
-               "MNIST CPU offload without GPU": "fsdp1_mnist.py",
-               "MNIST batch size 0": "ddp_mnist.py", "T5 missing CSV": "t5_fsdp_finetune.py"}
+# The smoke tier's cases: one per script, of those refused before any process starts (quick).
+SMOKE_CASES = {"FSDP2 negative max-norm": "fsdp2_transformer.py",
+               "MNIST growing gamma": "fsdp1_mnist.py", "MNIST batch size 0": "ddp_mnist.py",
+               "T5 negative gamma": "t5_fsdp_finetune.py"}
 
 
 @pytest.mark.parametrize("name, expected", [

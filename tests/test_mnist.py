@@ -14,9 +14,9 @@ SMOKE_SCRIPTS = [pytest.param(script, marks=SMOKE(script)) for script in SCRIPTS
 
 @pytest.fixture
 def mnist_run(cached_torchrun, mnist_dir):
-    """The reference run: 3 epochs on 2 ranks, saving the model. Cached: several tests read it."""
+    """The reference run: 2 epochs on 2 ranks, saving the model. Cached: several tests read it."""
 
-    def run(script, *args, nproc=2, epochs=3):
+    def run(script, *args, nproc=2, epochs=2):
         result = cached_torchrun(script, "--data-dir", mnist_dir, "--epochs", epochs, *TINY, *args,
                                  nproc=nproc)
         assert result.returncode == 0, result.output
