@@ -233,6 +233,7 @@ def test_plan_of_the_fsdp_documents_70b_example(tmp_path):
 def test_compile_stays_with_eager(fsdp2_run, fsdp2_reference):
     run = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--compile")
     assert "Blocks compiled: 3 of 3" in run.stdout
+    assert "No CUDA runtime is found" not in run.output  # inductor's log line on a CPU machine
     assert "Blocks compiled: 0 of 3" in fsdp2_reference.stdout
     assert run.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"], rel=1e-4)
 
