@@ -1475,6 +1475,7 @@ def launch(args):
     world_size = args.world_size or gpus or 2
     if world_size > gpus > 0:
         fail(f"--world-size {world_size} asks for more GPUs than the {gpus} present")
+    check_flags(args, torch.device("cuda:0" if use_cuda else "cpu"), world_size)  # before spawning
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

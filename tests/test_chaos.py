@@ -26,14 +26,14 @@ def test_random_kills_recover_to_the_uninterrupted_runs_final_state(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_disk_filled_by_another_process_stops_cleanly_and_resumes_exactly(tmp_path):
-    """Twice another process fills the checkpoint disk (a tmpfs) while the run saves: each time it
-    stops in one line about space, before or during a save, and the same command, once space is
-    freed, resumes: the final state is the uninterrupted run's, bit for bit."""
+    """Another process fills the checkpoint disk (a tmpfs) while the run saves: it stops in one
+    line about space, before or during a save, and the same command, once space is freed,
+    resumes: the final state is the uninterrupted run's, bit for bit."""
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / "chaos.py", "--cases",
-                           "disk-full-sharded-async", "--fills", "2", "--steps", "40",
+                           "disk-full-sharded-async", "--fills", "1", "--steps", "30",
                            "--json", tmp_path / "rows.json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [row] = json.loads((tmp_path / "rows.json").read_text())
-    assert row["fills"] == 2 and row["restarts"] == 2 and row["other_stops"] == 0, row
+    assert row["fills"] == 1 and row["restarts"] == 1 and row["other_stops"] == 0, row
     assert row["same_final_state"] and row["same_losses"], row

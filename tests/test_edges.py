@@ -70,7 +70,7 @@ def no_process_left(cwd):
     return left == []
 
 
-@pytest.mark.parametrize("options", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("options", list(FORMATS.values())[:2], ids=list(FORMATS)[:2])
 def test_fsdp2_refuses_a_save_the_disk_cannot_hold(tmp_path, small_disk, options):
     """The checkpoint of step 5 fits on the disk, that of step 10 would not: the run stops before
     writing it, in one line with the folder, the bytes needed and free, what to do, and the
