@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -58,16 +59,21 @@ def complete_checkpoints(folder):
     return sorted(p.name for p in folder.iterdir() if (p / "COMPLETE").exists())
 
 
-def no_process_left(cwd):
-    """No process still runs with cwd as its working directory (a worker left behind)."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
-                left.append(pid)
-        except OSError:
-            continue
-    return left == []
+def processes_left(cwd, grace=5):
+    """The command lines of the processes still running with cwd as their working directory
+    (workers left behind), after up to `grace` seconds for those already on their way out."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                    left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("options", list(FORMATS.values())[:2], ids=list(FORMATS)[:2])
@@ -86,7 +92,7 @@ def test_fsdp2_refuses_a_save_the_disk_cannot_hold(tmp_path, small_disk, options
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000005"]
     assert complete_checkpoints(tmp_path / "ckpt") == ["step_000005"]
     assert full_state_of(tmp_path / "ckpt" / "step_000005")
-    assert no_process_left(tmp_path)
+    assert processes_left(tmp_path) == []
 
 
 @pytest.mark.parametrize("options", FORMATS.values(), ids=FORMATS.keys())
@@ -108,7 +114,7 @@ def test_fsdp2_disk_filling_during_a_save(tmp_path, small_disk, options):
     saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert saved and saved == complete_checkpoints(tmp_path / "ckpt")  # no .tmp left
     assert f"the last complete checkpoint is step {int(saved[-1][5:])} " in line
-    assert no_process_left(tmp_path)
+    assert processes_left(tmp_path) == []
 
 
 @pytest.mark.parametrize("script", ["fsdp1_mnist.py", "ddp_mnist.py"])
@@ -157,7 +163,7 @@ def test_t5_saves_on_a_full_disk(tmp_path, small_disk, tiny_t5_dir, wikihow_dir)
     assert re.search(rf"cannot write {out / 'checkpoint-epoch-1'}\S* \(no space left on the "
                      r"device; 0\.\d MiB free", line), line
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
-    assert no_process_left(tmp_path)
+    assert processes_left(tmp_path) == []
 
 
 def start(cwd, command):
@@ -213,7 +219,7 @@ def test_fsdp2_interrupted(tmp_path, launcher, signum, to_group):
     assert complete_checkpoints(folder)[-1] == f"step_{int(saved):06d}" == os.path.basename(path)
     assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".tmp")) == (
         complete_checkpoints(folder))
-    assert no_process_left(tmp_path)
+    assert processes_left(tmp_path) == []
     if launcher == "python" and signum == signal.SIGINT:
         args[args.index("--steps") + 1] = int(saved) + 1
         resumed = run_command(torchrun_command("fsdp2_transformer.py", args, 2), tmp_path, 120)
@@ -227,4 +233,4 @@ def test_mnist_interrupted_says_it_starts_over(tmp_path, mnist_dir):
     status, stdout, stderr = interrupt_after(job, tmp_path, "Train Epoch: 1", signal.SIGINT)
     assert "interrupted by SIGINT; MNIST runs keep no checkpoint: a rerun starts from epoch 1" in (
         stderr.splitlines()), stderr
-    assert stderr.count("Traceback") == 1 and no_process_left(tmp_path)
+    assert stderr.count("Traceback") == 1 and processes_left(tmp_path) == []
