@@ -61,7 +61,8 @@ def complete_checkpoints(folder):
 
 def processes_left(cwd, grace=5):
     """The command lines of the processes still running with cwd as their working directory
-    (workers left behind), after up to `grace` seconds for those already on their way out."""
+    (workers left behind), after up to `grace` seconds for those already on their way out (the
+    resource tracker of multiprocessing ends a moment after the launcher it served)."""
     deadline = time.monotonic() + grace
     while True:
         left = []
