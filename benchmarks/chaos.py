@@ -14,7 +14,8 @@ Cases: FSDP2 with full checkpoints (DTensor API), sharded checkpoints, and shard
 checkpoints, one checkpoint per step; T5 with sharded checkpoints and --resume auto, one per epoch.
 The disk-full cases put FSDP2's checkpoints on a 64 MiB tmpfs (root only) that another process
 fills at a random moment, --fills times: each stop must be one line about space, and the same
-command, once space is freed, must resume to the uninterrupted run's final state.
+command, once space is freed, must resume to the uninterrupted run's final state. Cases with
+the same command (sharded-async and disk-full-sharded-async) share one uninterrupted run.
 The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
 """
 import argparse
@@ -128,6 +129,20 @@ def final_checkpoint(cwd):
     return max(marked, key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
 
 
+STRAIGHT = {}  # (script, arguments): (folder, run): cases with the same run share it
+
+
+def straight_run(script, args, pattern, workdir):
+    """The uninterrupted run of script with args (once per distinct command): (folder, (exit
+    status, output, 0, 0))."""
+    key = (script, tuple(args))
+    if key not in STRAIGHT:
+        cwd = workdir / f"straight-{len(STRAIGHT)}"
+        cwd.mkdir(parents=True)
+        STRAIGHT[key] = cwd, run(script, args, pattern, cwd, 2)
+    return STRAIGHT[key]
+
+
 def chaos_case(name, kills, steps, seed, workdir, fixtures):
     """Run one case straight and with kills; return a dict of what happened."""
     import torch
@@ -135,16 +150,16 @@ def chaos_case(name, kills, steps, seed, workdir, fixtures):
     args = [*args, *(["--steps", str(steps)] if script.startswith("fsdp2") else
                      ["--epochs", str(steps), "--model-name", str(fixtures[1]), "--data-dir",
                       str(fixtures[0])])]
-    results = {}
-    for mode, n in (("straight", 0), ("killed", kills)):
-        cwd = workdir / name / mode
-        cwd.mkdir(parents=True)
-        results[mode] = run(script, args, pattern, cwd, 2, kills=n, seed=seed)
+    folders, results = {}, {}
+    folders["straight"], results["straight"] = straight_run(script, args, pattern, workdir)
+    folders["killed"] = workdir / name / "killed"
+    folders["killed"].mkdir(parents=True)
+    results["killed"] = run(script, args, pattern, folders["killed"], 2, kills=kills, seed=seed)
     status, output, done, during_save = results["killed"]
     straight, killed = (losses(results[m][1], pattern) for m in ("straight", "killed"))
     same_losses = all(all(loss == straight[step][0] for loss in printed)
                       for step, printed in killed.items()) and set(killed) == set(straight)
-    final = {m: full_state_of(final_checkpoint(workdir / name / m)) for m in ("straight", "killed")}
+    final = {m: full_state_of(final_checkpoint(folders[m])) for m in ("straight", "killed")}
     same_state = (results["straight"][0] == 0 and final["straight"].keys() == final["killed"].keys()
                   and all(torch.equal(final["straight"][k], final["killed"][k])
                           for k in final["straight"]))
@@ -164,9 +179,8 @@ def disk_full_case(name, fills, steps, seed, workdir):
     import torch
     rng, pattern = random.Random(seed), CASES["full"][2]
     args = [*FSDP2, *CASES[name.removeprefix("disk-full-")][1][len(FSDP2):], "--steps", str(steps)]
-    straight = workdir / name / "straight"
-    straight.mkdir(parents=True)
-    status, straight_output, _, _ = run("fsdp2_transformer.py", args, pattern, straight, 2)
+    straight, (status, straight_output, _, _) = straight_run("fsdp2_transformer.py", args,
+                                                             pattern, workdir)
     cwd = workdir / name / "filled"
     (cwd / "ckpt").mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", cwd / "ckpt"], check=True)

@@ -15,6 +15,7 @@ from conftest import (
     REPO,
     SMOKE,
     T5_REFERENCE,
+    T5_TINY,
     run_command,
     single_error_line,
     t5_args,
@@ -260,6 +261,45 @@ def test_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strateg
                           "--world-size", 2, "--sharding-strategy", strategy], tmp_path, 120)
     assert result.returncode == 0 and "predicted peak" in result.stdout, result.output
     assert result.metrics["plan"]["train_state_bytes"] == pytest.approx(measured, rel=0.01)
+
+
+# What autograd keeps from forward to backward in one training step of the tiny T5, computed as
+# the script does (one process, fp32, no FSDP: a rank's activations do not depend on sharding).
+SAVED_FOR_BACKWARD = """
+import json, sys, torch
+from transformers import T5ForConditionalGeneration
+model = T5ForConditionalGeneration.from_pretrained(sys.argv[1]).train()  # dropout, as trained
+batch, input_length, output_length = map(int, sys.argv[2:])
+inputs, labels = (torch.randint(2, model.config.vocab_size, (batch, length))
+                  for length in (input_length, output_length))
+saved = []
+def pack(tensor):
+    saved.append(tensor.numel() * tensor.element_size())
+    return tensor
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    logits = model(input_ids=inputs, labels=labels, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels)
+loss.backward()
+print(json.dumps(sum(saved)))
+"""
+
+
+def test_plan_predicts_the_activations(tiny_t5_dir, tmp_path):
+    """--plan's activations and logits buffers of a step: within 15% of the bytes autograd saves
+    for backward, counted with saved_tensors_hooks."""
+    batch = 4
+    command = [sys.executable, "-c", SAVED_FOR_BACKWARD, tiny_t5_dir, batch, INPUT_LENGTH,
+               OUTPUT_LENGTH]
+    proc = subprocess.run([str(a) for a in command], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = run_command([sys.executable, REPO / SCRIPT, "--plan", "--model-name", tiny_t5_dir,
+                          "--world-size", 1, "--batch-size", batch, *T5_TINY], tmp_path, 120)
+    assert result.returncode == 0, result.output
+    plan = result.metrics["plan"]
+    predicted = plan["activation_bytes"] + plan["logits_bytes"]
+    print(f"predicted {predicted:,} bytes, saved for backward {int(proc.stdout):,}")
+    assert predicted == pytest.approx(int(proc.stdout), rel=0.15)
 
 
 @pytest.mark.parametrize("options", list(OPTIONS_BUILT))
