@@ -12,9 +12,11 @@ every step (or epoch) loss it printed equals the uninterrupted run's.
 
 Cases: FSDP2 with full checkpoints (DTensor API), sharded checkpoints, and sharded asynchronous
 checkpoints, one checkpoint per step; T5 with sharded checkpoints and --resume auto, one per epoch.
-The disk-full cases put FSDP2's checkpoints on a 64 MiB tmpfs (root only) that another process
-fills at a random moment, --fills times: each stop must be one line about space, and the same
-command, once space is freed, must resume to the uninterrupted run's final state. Cases with
+The disk-full cases put FSDP2's checkpoints on a tmpfs (root only; 16 MiB + 1 MiB per step, room
+for every checkpoint the run keeps, about 0.5 MiB each, so that only the filler fills it) that
+another process fills at a random moment, --fills times: each stop must be one line about space,
+and the same command, once space is freed, must resume to the uninterrupted run's final state.
+Cases with
 the same command (sharded-async and disk-full-sharded-async) share one uninterrupted run.
 The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
 """
@@ -183,7 +185,10 @@ def disk_full_case(name, fills, steps, seed, workdir):
                                                              pattern, workdir)
     cwd = workdir / name / "filled"
     (cwd / "ckpt").mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", cwd / "ckpt"], check=True)
+    # The script keeps every checkpoint (one per step here, about 0.5 MiB): the disk must hold
+    # them all, or the run would fill it itself once the filler's space is freed.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={16 + steps}m", "tmpfs", cwd / "ckpt"],
+                   check=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                "2", str(REPO / "fsdp2_transformer.py"), *args]
     outputs, stops = [], {"before the save": 0, "during the save": 0, "other": 0}
