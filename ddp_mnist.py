@@ -201,6 +201,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -580,7 +581,13 @@ def run_worker(args, use_cuda):
     finally:
         # Workaround: FSDP and DDP keep the process group alive through reference cycles; freed
         # only at exit, gloo's threads can abort a finished run with SIGABRT ("terminate called
-        # without an active exception"; torch 2.14, 2.15). Free them while Python still can.
+        # without an active exception"; torch 2.14, 2.15). Free them while Python still can: when
+        # main failed, the tracebacks on their way out hold its frames, hence the model: clear
+        # those first (the tracebacks keep their lines for torchrun's report).
+        error = sys.exc_info()[1]
+        while error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error = error.__context__
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
