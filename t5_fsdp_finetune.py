@@ -938,8 +938,8 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
     lines.append(f"  {'fits one device of (GiB)':<48}{device_gib:10.2f}  "
                  + ("yes" if plan["fits"] else "NO"))
     lines.append(f"ranks | training state | peak | fits ({unit} per rank, one node)")
-    for ranks in PLAN_RANKS:
-        row = memory_plan(model, ranks, ranks, **options)
+    by_ranks = {ranks: memory_plan(model, ranks, ranks, **options) for ranks in PLAN_RANKS}
+    for ranks, row in by_ranks.items():
         lines.append(f"{ranks:5} | {row['train_state_bytes'] / scale:14.2f} | "
                      f"{row['peak_bytes'] / scale:6.2f} | "
                      + ("yes" if row["peak_bytes"] <= device_gib * gib else "no"))
@@ -953,8 +953,7 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
                 "peak_bytes"] / gib
             if peak <= device_gib and any(options[k] != v for k, v in change.items()):
                 ways.append(f"{name} ({peak:.2f} GiB)")
-        more = [r for r in PLAN_RANKS if memory_plan(model, r, r, **options)["peak_bytes"]
-                <= device_gib * gib]
+        more = [r for r, row in by_ranks.items() if row["peak_bytes"] <= device_gib * gib]
         ways += [f"{more[0]} ranks"] if more and more[0] > world_size else []
         lines.append("To fit: " + ("; ".join(ways) or "combine these, or a smaller model"))
     lines.append(f"({NOT_COUNTED}.)")

@@ -160,6 +160,13 @@ TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy, sys; atexit.registe
             "runpy.run_module('torch.distributed.run', run_name='__main__')"]
 
 
+def plan_of(script, cwd, *args):
+    """script --plan with these flags, run as a user would: its plan (and the printed table)."""
+    result = run_command([sys.executable, REPO / script, "--plan", *args], cwd, timeout=120)
+    assert result.returncode == 0 and "predicted peak" in result.stdout, result.output
+    return {**result.metrics["plan"], "printed": result.stdout}
+
+
 def script_with_lines(script, folder, after, lines):
     """A copy of the script in folder, with `lines` added after the line `after` (which must be
     there): how a test puts a bug or a fault inside a real run. Returns the copy's path."""

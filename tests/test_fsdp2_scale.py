@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDP2_SHARDED, FSDP2_TINY, REPO, full_state_of, run_command, warning_lines
+from conftest import FSDP2_SHARDED, FSDP2_TINY, REPO, full_state_of, plan_of, warning_lines
 
 sys.path.insert(0, str(REPO))
 from fsdp2_transformer import Transformer, flops_per_token, global_batch, task_rules  # noqa: E402
@@ -164,17 +164,10 @@ def test_activation_checkpointing_saves_less_for_backward(torchrun, tmp_path):
     assert saved["checkpointed"] < 0.5 * saved["plain"], saved
     # --plan's count of the same (tests/README.md: it is exact on CPU in fp32)
     for kind, checkpointed in (("plain", False), ("checkpointed", True)):
-        predicted = plan_of(tmp_path, "--vocab-size", 64, "--dim", 32, "--n-layers", 3,
-                            "--seq-len", 16, "--batch-size", 8, "--world-size", 1,
+        predicted = plan_of(SCRIPT, tmp_path, "--vocab-size", 64, "--dim", 32, "--n-layers",
+                            3, "--seq-len", 16, "--batch-size", 8, "--world-size", 1,
                             *["--activation-checkpointing"] * checkpointed)
         assert predicted["saved_for_backward_bytes"] == pytest.approx(saved[kind], rel=0.15)
-
-
-def plan_of(cwd, *args):
-    """fsdp2_transformer.py --plan with these flags, run as a user would: its plan."""
-    result = run_command([sys.executable, REPO / SCRIPT, "--plan", *args], cwd, timeout=120)
-    assert result.returncode == 0 and "predicted peak" in result.stdout, result.output
-    return {**result.metrics["plan"], "printed": result.stdout}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, "2 replicas"])
@@ -192,8 +185,8 @@ def test_plan_predicts_the_training_state(world_size, fsdp2_run, fsdp2_reference
     flags = ["--world-size", 2, "--replicate-degree", 2] if world_size == "2 replicas" else [
         "--world-size", world_size]
     measured = runs[world_size]().metrics["train_state_bytes"]
-    assert plan_of(tmp_path, *sizes, *flags)["train_state_bytes"] == pytest.approx(measured,
-                                                                                rel=0.01)
+    predicted = plan_of(SCRIPT, tmp_path, *sizes, *flags)["train_state_bytes"]
+    assert predicted == pytest.approx(measured, rel=0.01)
 
 
 # Peak CUDA memory allocated of configuration C1B (--mixed-precision --dim 2048 --n-layers 18
@@ -222,9 +215,9 @@ def test_plan_of_the_fsdp_documents_70b_example(tmp_path):
     """The FSDP concepts document's question - a 70B model on 8 GPUs of 80 GB - answered on a CPU
     in seconds: it does not fit (AdamW's fp32 state alone is 124 GiB per rank), and the plan says
     what would."""
-    plan = plan_of(tmp_path, "--dim", 8192, "--n-layers", 80, "--n-heads", 64, "--vocab-size",
-                   128256, "--seq-len", 4096, "--world-size", 8, "--mixed-precision",
-                   "--batch-size", 32, "--plan-device-memory", 80)
+    plan = plan_of(SCRIPT, tmp_path, "--dim", 8192, "--n-layers", 80, "--n-heads", 64,
+                   "--vocab-size", 128256, "--seq-len", 4096, "--world-size", 8,
+                   "--mixed-precision", "--batch-size", 32, "--plan-device-memory", 80)
     assert plan["parameters"] > 65e9 and not plan["fits"]
     assert plan["train_state_bytes"] / 2**30 == pytest.approx(124, rel=0.01)
     assert "To fit: 16 ranks and --activation-checkpointing" in plan["printed"]

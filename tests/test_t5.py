@@ -16,6 +16,7 @@ from conftest import (
     SMOKE,
     T5_REFERENCE,
     T5_TINY,
+    plan_of,
     run_command,
     single_error_line,
     t5_args,
@@ -257,10 +258,9 @@ def test_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strateg
     (FSDP1's padded flat shards, their gradients and AdamW state) as measured, within 1%."""
     epochs, options = STRATEGY_RUNS[strategy]
     measured = t5_run(*options, epochs=epochs).metrics["train_state_bytes"]
-    result = run_command([sys.executable, REPO / SCRIPT, "--plan", "--model-name", tiny_t5_dir,
-                          "--world-size", 2, "--sharding-strategy", strategy], tmp_path, 120)
-    assert result.returncode == 0 and "predicted peak" in result.stdout, result.output
-    assert result.metrics["plan"]["train_state_bytes"] == pytest.approx(measured, rel=0.01)
+    plan = plan_of(SCRIPT, tmp_path, "--model-name", tiny_t5_dir, "--world-size", 2,
+                   "--sharding-strategy", strategy)
+    assert plan["train_state_bytes"] == pytest.approx(measured, rel=0.01)
 
 
 # What autograd keeps from forward to backward in one training step of the tiny T5, computed as
@@ -293,10 +293,8 @@ def test_plan_predicts_the_activations(tiny_t5_dir, tmp_path):
     proc = subprocess.run([str(a) for a in command], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    result = run_command([sys.executable, REPO / SCRIPT, "--plan", "--model-name", tiny_t5_dir,
-                          "--world-size", 1, "--batch-size", batch, *T5_TINY], tmp_path, 120)
-    assert result.returncode == 0, result.output
-    plan = result.metrics["plan"]
+    plan = plan_of(SCRIPT, tmp_path, "--model-name", tiny_t5_dir, "--world-size", 1,
+                   "--batch-size", batch, *T5_TINY)
     predicted = plan["activation_bytes"] + plan["logits_bytes"]
     print(f"predicted {predicted:,} bytes, saved for backward {int(proc.stdout):,}")
     assert predicted == pytest.approx(int(proc.stdout), rel=0.15)
