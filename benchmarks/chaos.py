@@ -16,8 +16,8 @@ The disk-full cases put FSDP2's checkpoints on a tmpfs (root only; 16 MiB + 1 Mi
 for every checkpoint the run keeps, about 0.5 MiB each, so that only the filler fills it) that
 another process fills at a random moment, --fills times: each stop must be one line about space,
 and the same command, once space is freed, must resume to the uninterrupted run's final state.
-Cases with
-the same command (sharded-async and disk-full-sharded-async) share one uninterrupted run.
+Cases with the same command (sharded-async and disk-full-sharded-async) share one uninterrupted
+run.
 The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
 """
 import argparse
