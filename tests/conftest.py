@@ -12,6 +12,7 @@ import datasets
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
+from forked_torchrun import forked_torchrun
 from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +60,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The test files with a start_early(request) (see start_early below) run last.
+    items.sort(key=lambda item: hasattr(getattr(item, "module", None), "start_early"))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
@@ -76,6 +79,16 @@ def offline_hf(tmp_path_factory):
             patch.setenv(name, value)
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_early(request, offline_hf):
+    """As the session starts, call start_early(request) of each test file that has one: it starts
+    its runs in the background, and its tests, which run last, wait for them. Those runs fill the
+    cores that the other tests leave idle for part of their time."""
+    for module in dict.fromkeys(item.module for item in request.session.items):
+        if hasattr(module, "start_early"):
+            module.start_early(request)
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +158,15 @@ def run_command(command, cwd, timeout, env=None):
     if "--metrics-json" not in command:
         command += ["--metrics-json", str(metrics_path)]
     metrics_path.unlink(missing_ok=True)  # never read an earlier run's metrics
-    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
+        returncode, stdout, stderr = forked_torchrun(command[len(TORCHRUN):], cwd, timeout, env)
+    else:
+        proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              env=env)
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
-    return Run(proc.returncode, proc.stdout, proc.stderr, metrics, Path(cwd))
+    return Run(returncode, stdout, stderr, metrics, Path(cwd))
 
 
 # `python -m torch.distributed.run`, with one difference that only makes it exit sooner: it freezes

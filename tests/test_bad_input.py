@@ -319,36 +319,34 @@ def folder_state(folder):
             for p in folder.rglob("*")}
 
 
-@pytest.fixture(scope="module")
-def failed_runs(tmp_path_factory, request):
-    """{case id: (Run, seconds, folder before, folder after)}: every case, in a folder of its own.
+RUNS = {}  # case id: Future of (Run, seconds, folder before, folder after)
 
-    The runs go four at a time: a run that fails on bad input is mostly Python and torch starting
-    up, which overlaps well with other runs, and the table would otherwise take a good part of the
-    suite's time. T5's runs, the longest, go first, so that none is left running alone at the end.
-    """
+
+def start_early(request):
+    """Start every selected case, in a folder of its own; called by conftest as the session
+    starts. The runs go two at a time on threads of their own, beside the other tests (which leave
+    the cores idle part of the time: a 2-rank run is mostly Python and torch starting up), and
+    this file's tests run last, each waiting for its case. T5's runs, the longest, go first."""
     # Only the cases this session runs (pytest -k, -m smoke): the table's inputs need fixtures.
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_fails_cleanly"}
-    prepared = {}
+    pool = ThreadPoolExecutor(max_workers=2)
     for name, script, args, _ in sorted(CASES, key=lambda case: case[1] != "t5_fsdp_finetune.py"):
         if name not in selected:
             continue
-        folder = tmp_path_factory.mktemp("bad_input")  # inputs in this thread: they load fixtures
-        inputs = Inputs(folder, request.getfixturevalue)
+        folder = request.getfixturevalue("tmp_path_factory").mktemp("bad_input")
+        inputs = Inputs(folder, request.getfixturevalue)  # made here: they load fixtures
         command = [str(a).format_map(inputs) for a in [*BASE_ARGS[script], *args]]
         launch = ([sys.executable, REPO / script, *command] if name in PYTHON_LAUNCHED
                   else torchrun_command(script, command, 2))
-        prepared[name] = folder, launch, folder_state(folder)
+        RUNS[name] = pool.submit(run_case, launch, folder, folder_state(folder))
+    pool.shutdown(wait=False)
 
-    def run(name):
-        folder, command, before = prepared[name]
-        start = time.perf_counter()
-        result = run_command(command, folder, timeout=60, env=NO_NETWORK)
-        return name, (result, time.perf_counter() - start, before, folder_state(folder))
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(pool.map(run, prepared))
+def run_case(command, folder, before):
+    start = time.perf_counter()
+    result = run_command(command, folder, timeout=60, env=NO_NETWORK)
+    return result, time.perf_counter() - start, before, folder_state(folder)
 
 
 # The smoke tier's cases: one per script, of those refused before any process starts (quick).
@@ -360,8 +358,8 @@ SMOKE_CASES = {"FSDP2 negative max-norm": "fsdp2_transformer.py",
 @pytest.mark.parametrize("name, expected", [
     pytest.param(name, expected, marks=[SMOKE(SMOKE_CASES[name])] if name in SMOKE_CASES else [])
     for name, _, _, expected in CASES], ids=[case[0] for case in CASES])
-def test_bad_input_fails_cleanly(failed_runs, name, expected):
-    result, seconds, before, after = failed_runs[name]
+def test_bad_input_fails_cleanly(name, expected):
+    result, seconds, before, after = RUNS[name].result()
     assert result.returncode != 0 and seconds < 60
     error_line = single_error_line(result)
     assert all(e in error_line for e in expected), error_line
