@@ -700,10 +700,18 @@ class CheckpointFolder:
             if done is not None and done.exception() is not None:
                 raise done.exception()
             if dist.get_rank() == 0:
+                # On the disk before the marker says so: without fsync, a power cut or a kernel
+                # crash can keep the marker and lose the data written before it. torch.save
+                # leaves its files to the page cache; DCP's writer syncs its own (sync_files).
+                for name in ("model.pt", "optimizer.pt") if self.format == "full" else ():
+                    sync_to_disk(os.path.join(path, name))
                 with open(os.path.join(path, MARKER_FILE), "w") as f:
                     json.dump({"step": step, "model": self.config, "format": self.format}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
                 shutil.rmtree(final, ignore_errors=True)  # the same step of an earlier run
                 os.replace(path, final)
+                sync_to_disk(self.root)  # the rename
                 rank0_print(f"Saved checkpoint {final}" + (" (in the background)" if done else "")
                             + f", training paused {pause:.2f} s")
             self.last = final
@@ -750,6 +758,15 @@ class CheckpointFolder:
             rank0_print(f"No checkpoint in {self.given}: starting from step 0")
             return 0, None, None, None
         return (*found[0], full_state)
+
+
+def sync_to_disk(path):
+    """fsync a file, or a folder (its entries: a rename in it)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def root_cause(error):

@@ -2,22 +2,23 @@
 
 For each case it runs the script twice under torch.distributed.run: once uninterrupted, and once
 with --max-restarts while a killer SIGKILLs a random rank at random moments (often while a
-checkpoint is being written), --kills times. torchrun restarts all workers after each kill; they
-resume from the newest complete checkpoint. The case recovered when the killed run ends with exit
-status 0, its final checkpoint holds exactly (bit for bit) the uninterrupted run's tensors, and
-every step (or epoch) loss it printed equals the uninterrupted run's.
+checkpoint is being written; never before the first checkpoint is complete), --kills times. torchrun
+restarts all workers after each kill; they resume from the newest complete checkpoint. The case
+recovered when the killed run ends with exit status 0, its final checkpoint holds exactly (bit for
+bit) the uninterrupted run's tensors, and every step (or epoch) loss it printed equals the
+uninterrupted run's.
 
     python benchmarks/chaos.py                                   # every case, 20 kills each
     python benchmarks/chaos.py --cases sharded-async --kills 5 --out chaos.md
 
 Cases: FSDP2 with full checkpoints (DTensor API), sharded checkpoints, and sharded asynchronous
 checkpoints, one checkpoint per step; T5 with sharded checkpoints and --resume auto, one per epoch.
-The disk-full cases put FSDP2's checkpoints on a tmpfs (root only; 16 MiB + 1 MiB per step, room
-for every checkpoint the run keeps, about 0.5 MiB each, so that only the filler fills it) that
-another process fills at a random moment, --fills times: each stop must be one line about space,
-and the same command, once space is freed, must resume to the uninterrupted run's final state.
-Cases with the same command (sharded-async and disk-full-sharded-async) share one uninterrupted
-run.
+The disk-full cases put FSDP2's checkpoints on a tmpfs (root only; 16 MiB + 1 MiB per step, room for
+every checkpoint the run keeps, about 0.5 MiB each, so that only the filler fills it) that another
+process fills at a random moment once a checkpoint is complete, --fills times: each stop must be one
+line about space, and the same command, once space is freed, must resume to the uninterrupted run's
+final state. Cases with the same command (sharded-async and disk-full-sharded-async) share one
+uninterrupted run.
 The fixtures are the tests' (tests/tiny_wikihow.py), written into a temporary folder.
 """
 import argparse
@@ -76,9 +77,9 @@ def workers(agent_pid):
 def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800):
     """Run the script under torchrun in cwd, killing a random worker `kills` times: once per
     attempt (torchrun's restart), after the attempt has printed a step's (epoch's) loss, matched by
-    pattern, and then a random pause of up to 1 s or (a third of the time) as soon as a checkpoint
-    is being written. Returns (exit status, output, kills, kills while a checkpoint was
-    half-written)."""
+    pattern, and a checkpoint is complete, and then a random pause of up to 1 s or (a third of the
+    time) as soon as a checkpoint is being written. Returns (exit status, output, kills, kills
+    while a checkpoint was half-written)."""
     rng = random.Random(seed)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(nproc), "--max-restarts", str(kills), str(REPO / script), *args]
@@ -92,8 +93,10 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800):
             if len(found) < nproc or frozenset(found.values()) in attempts:
                 time.sleep(0.05)
                 continue
-            while agent.poll() is None and len(re.findall(pattern, read(cwd))) == printed:
-                time.sleep(0.02)  # until this attempt has trained a step (an epoch)
+            while agent.poll() is None and (len(re.findall(pattern, read(cwd))) == printed
+                                            or "Saved" not in read(cwd)):
+                time.sleep(0.02)  # until this attempt has trained a step (an epoch), and a
+                # checkpoint is complete: a kill before the first one tests only a fresh start
             if rng.random() < 1 / 3:  # wait for a checkpoint write to be under way
                 limit = time.monotonic() + 5
                 while not list(cwd.rglob("*.tmp")) and time.monotonic() < limit:
@@ -198,8 +201,8 @@ def disk_full_case(name, fills, steps, seed, workdir):
                 agent = subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
             filled = len(outputs) < fills
             if filled:  # another process fills the disk while the run saves, step after step
-                while agent.poll() is None and not list((cwd / "ckpt").glob("step_*")):
-                    time.sleep(0.01)
+                while agent.poll() is None and not list((cwd / "ckpt").glob("step_*/COMPLETE")):
+                    time.sleep(0.01)  # a complete checkpoint, which the rerun must resume
                 time.sleep(rng.uniform(0, 1.0))
                 fill(cwd / "ckpt" / "filler")
             agent.wait(timeout=600)

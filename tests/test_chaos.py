@@ -2,9 +2,9 @@
 (the format with the most moving parts), 30 steps: two random SIGKILLs, and (as root, on a small
 tmpfs) a disk filled by another process during a save. Both cases run in one chaos.py command,
 which makes their uninterrupted run once. The full figures (20 kills per format, 5 fills) are in
-the README; this keeps the harness and recovery honest. With killer seed 0 the first kill comes
-0.76 s after a step (checkpoints exist by then: the restart resumes), the second as soon as a
-checkpoint is being written."""
+the README; this keeps the harness and recovery honest. The killer waits for a complete
+checkpoint, so each restart resumes one; with killer seed 0 the first kill comes 0.76 s after a
+step, the second as soon as a checkpoint is being written."""
 import json
 import os
 import subprocess

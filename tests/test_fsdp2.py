@@ -293,6 +293,26 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001", "step_000002"]
 
 
+def test_a_full_checkpoint_is_on_the_disk_before_its_marker(tmp_path):
+    """Each save fsyncs model.pt and optimizer.pt, then the COMPLETE marker, then the folder that
+    holds the rename: a power cut never leaves a marker without its data. (A copy of the script
+    logs every fsync; torch.save makes none of its own.)"""
+    script = script_with_lines(SCRIPT, tmp_path, "import os\n", (
+        "def fsync_logged(fd, fsync=os.fsync):\n"
+        "    with open('fsync.log', 'a') as log:\n"
+        "        print(os.readlink(f'/proc/self/fd/{fd}'), file=log)\n"
+        "    fsync(fd)\n"
+        "os.fsync = fsync_logged\n"))
+    args = [*TINY, "--steps", 2, "--checkpoint-dir", "ckpt", "--save-every", 1]
+    result = run_command(torchrun_command(script, args, 2), tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    ckpt = tmp_path / "ckpt"
+    assert (tmp_path / "fsync.log").read_text().split() == [
+        str(path) for step in (1, 2) for path in (
+            *(ckpt / f"step_{step:06d}.tmp" / name for name in ("model.pt", "optimizer.pt",
+                                                                  "COMPLETE")), ckpt)]
+
+
 def test_log_every_sets_the_printed_steps(fsdp2_reference):
     """--log-every 5 over 20 steps: the first step, then every fifth (the last included)."""
     printed = [int(line.split()[1]) for line in fsdp2_reference.stdout.splitlines()
