@@ -56,8 +56,10 @@ def clean_text(text):
     return " ".join(text.split())
 
 
-def read_articles(data_dir, split, num_samples=None):
-    """The first num_samples (all if None) cleaned (title, text, headline) rows of a split."""
+def check_csv(data_dir):
+    """Raise a WikiHowError unless data_dir's wikihowAll.csv exists, has the columns and at least
+    one article: read from its first lines, so that a wrong file is refused at once. Returns its
+    path."""
     path = os.path.join(data_dir, "wikihowAll.csv")
     if not os.path.isfile(path):
         raise WikiHowError(f"{path} not found: {DOWNLOAD_HELP}")
@@ -74,7 +76,12 @@ def read_articles(data_dir, split, num_samples=None):
                            f"{DOWNLOAD_HELP}")
     if first_row is None:
         raise WikiHowError(f"{path} has its header but no article: {DOWNLOAD_HELP}")
+    return path
 
+
+def read_articles(data_dir, split, num_samples=None):
+    """The first num_samples (all if None) cleaned (title, text, headline) rows of a split."""
+    path = check_csv(data_dir)
     present = [name for name in SPLIT_FILES.values()
                if os.path.isfile(os.path.join(data_dir, name))]
     if present and len(present) < len(SPLIT_FILES):

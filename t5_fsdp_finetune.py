@@ -443,7 +443,7 @@ from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from summarization_dataset import DOWNLOAD_HELP
+from summarization_dataset import DOWNLOAD_HELP, WikiHowError, check_csv
 
 ELSEWHERE = "pass another --save-dir"  # where else a save can go, when a disk is full
 
@@ -484,6 +484,27 @@ def check_flags(args, device, world_size):
         missing.append(problem)
     if missing:
         fail("; and ".join(missing))
+    try:  # their first lines: a wrong file or folder is refused before any process loads it
+        check_csv(args.data_dir)
+    except WikiHowError as e:
+        fail(str(e))
+    if os.path.isdir(name) and (problem := model_folder_problem(name)):
+        fail(f"cannot load a T5 model and tokenizer from the directory {name} ({problem}); pass "
+             "--model-name with a directory written by save_pretrained, or a hub id")
+
+
+def model_folder_problem(name):
+    """Why the directory --model-name holds no T5 model, read from its config.json, or None (the
+    loader says what else is wrong: check_model)."""
+    path = os.path.join(name, "config.json")
+    if not os.path.isfile(path):
+        return "it holds no config.json"
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if model_type in (None, "t5") else f"it holds a {model_type} model, not T5"
 
 
 def hub_problem(name):
@@ -1241,17 +1262,27 @@ def run_worker(args, use_cuda):
         # only at exit, gloo's threads can abort a finished run with SIGABRT ("terminate called
         # without an active exception"; torch 2.14, 2.15). Free them while Python still can: when
         # main failed, the tracebacks on their way out hold its frames, hence the model: clear
-        # those first (the tracebacks keep their lines for torchrun's report).
-        error = sys.exc_info()[1]
-        while error is not None:
-            traceback.clear_frames(error.__traceback__)
-            error = error.__context__
+        # those first, with the exceptions they come from and those a DCP CheckpointException
+        # holds for each rank (the tracebacks keep their lines for torchrun's report).
+        errors = [sys.exc_info()[1]]
+        while errors:
+            error = errors.pop()
+            if error is not None:
+                traceback.clear_frames(error.__traceback__)
+                errors += [error.__context__, error.__cause__,
+                           *(failure[0] for failure in getattr(error, "failures", {}).values())]
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         # Faster exit, not a fix: Python's last collection at exit walks every object torch made
         # (0.6 s per process, a good part of a short run); frozen, they go with the process.
         gc.freeze()
+        if FAILING:  # its error line is out: end now, before the interpreter's teardown, where
+            # gloo's threads can still abort it (SIGABRT after the line; 1 in 5 runs of a T5
+            # resume from a corrupted checkpoint, torch 2.14). A bug's traceback goes on to @record.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 def stop_on_signal(signum, args):

@@ -71,11 +71,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def offline_hf(tmp_path_factory):
-    """No hub access, and this session's own datasets cache (here and in every script run)."""
+    """No hub access, and this session's own datasets cache (here and in every script run); every
+    process the tests start imports tests/startup/sitecustomize.py."""
     cache = tmp_path_factory.mktemp("hf_datasets_cache")
     with pytest.MonkeyPatch.context() as patch:
         for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                            ("HF_DATASETS_CACHE", str(cache))):
+                            ("HF_DATASETS_CACHE", str(cache)),
+                            ("PYTHONPATH", os.pathsep.join(filter(None, [
+                                str(REPO / "tests" / "startup"), os.environ.get("PYTHONPATH")])))):
             patch.setenv(name, value)
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         yield

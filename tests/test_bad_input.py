@@ -171,7 +171,8 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "FSDP2 batch vs ranks", "FSDP2 replicas vs ranks", "FSDP2 async full checkpoint",
                    "FSDP2 DCP API without a checkpoint dir", "T5 missing model",
                    "T5 resume auto without sharded checkpoints", "T5 hub model offline",
-                   "T5 missing data and model"}
+                   "T5 missing data and model", "T5 missing columns", "T5 header-only CSV",
+                   "T5 directory without a model", "T5 BERT config"}
 
 
 def make_dir(path):
@@ -324,13 +325,13 @@ RUNS = {}  # case id: Future of (Run, seconds, folder before, folder after)
 
 def start_early(request):
     """Start every selected case, in a folder of its own; called by conftest as the session
-    starts. The runs go two at a time on threads of their own, beside the other tests (which leave
+    starts. The runs go one at a time on a thread of their own, beside the other tests (which leave
     the cores idle part of the time: a 2-rank run is mostly Python and torch starting up), and
     this file's tests run last, each waiting for its case. T5's runs, the longest, go first."""
     # Only the cases this session runs (pytest -k, -m smoke): the table's inputs need fixtures.
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_fails_cleanly"}
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=1)
     for name, script, args, _ in sorted(CASES, key=lambda case: case[1] != "t5_fsdp_finetune.py"):
         if name not in selected:
             continue
