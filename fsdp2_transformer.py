@@ -684,8 +684,8 @@ class CheckpointFolder:
         """Mark the checkpoint complete: now, or for an asynchronous save once it is written.
         Returns the seconds training was paused."""
         pause = time.perf_counter() - self.started
-        if pending is None:
-            self.mark_complete(step, path, pause)
+        if pending is None:  # the pause includes syncing it to the disk
+            pause = self.mark_complete(step, path, None)
             agree_on_error(self.error)
         elif dist.get_rank() == 0:  # DCP's coordinator finishes last, once every shard is written
             self.marked.clear()
@@ -712,6 +712,7 @@ class CheckpointFolder:
                 shutil.rmtree(final, ignore_errors=True)  # the same step of an earlier run
                 os.replace(path, final)
                 sync_to_disk(self.root)  # the rename
+                pause = time.perf_counter() - self.started if pause is None else pause
                 rank0_print(f"Saved checkpoint {final}" + (" (in the background)" if done else "")
                             + f", training paused {pause:.2f} s")
             self.last = final
@@ -722,6 +723,7 @@ class CheckpointFolder:
                 f"; {last_checkpoint(self.root)}"
         finally:
             self.marked.set()
+        return time.perf_counter() - self.started if pause is None else pause
 
     def finished(self, pending):
         """Wait for an asynchronous save's write (pending: its future, or None) and for rank 0 to
