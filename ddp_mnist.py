@@ -583,24 +583,21 @@ def run_worker(args, use_cuda):
         # only at exit, gloo's threads can abort a finished run with SIGABRT ("terminate called
         # without an active exception"; torch 2.14, 2.15). Free them while Python still can: when
         # main failed, the tracebacks on their way out hold its frames, hence the model: clear
-        # those first, with the exceptions they come from and those a DCP CheckpointException
-        # holds for each rank (the tracebacks keep their lines for torchrun's report).
-        errors = [sys.exc_info()[1]]
-        while errors:
-            error = errors.pop()
-            if error is not None:
-                traceback.clear_frames(error.__traceback__)
-                errors += [error.__context__, error.__cause__,
-                           *(failure[0] for failure in getattr(error, "failures", {}).values())]
+        # those first (the tracebacks keep their lines for torchrun's report).
+        error = sys.exc_info()[1]
+        while error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error = error.__context__
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         # Faster exit, not a fix: Python's last collection at exit walks every object torch made
         # (0.6 s per process, a good part of a short run); frozen, they go with the process.
         gc.freeze()
-        if FAILING:  # its error line is out: end now, before the interpreter's teardown, where
-            # gloo's threads can still abort it (SIGABRT after the line; 1 in 5 runs of a T5
-            # resume from a corrupted checkpoint, torch 2.14). A bug's traceback goes on to @record.
+        if FAILING:  # Workaround, the same abort: its error line is out, so end now, before
+            # the interpreter's teardown, where gloo's threads can still abort it (1 in 5 T5
+            # resumes from a corrupted checkpoint kept a DeviceMesh alive; torch 2.14). Remove it
+            # when that bad-input row passes 20 runs without it. A bug's traceback goes to @record.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
