@@ -1203,8 +1203,9 @@ class Report:
             os.replace(f"{self.args.metrics_json}.tmp", self.args.metrics_json)
 
 
-def init_process_group(backend, timeout):
-    """dist.init_process_group, with a store prefix of its own for each torchrun restart.
+def init_process_group(backend, timeout, device):
+    """dist.init_process_group, with a store prefix of its own for each torchrun restart. The
+    process's GPU (device; None on CPU) is bound to it, so that a barrier knows which GPU to use.
 
     Workaround: torchrun (torch 2.14, 2.15) shares one store between the restarts of
     --max-restarts without a prefix per restart: restarted workers read the addresses of those
@@ -1212,12 +1213,12 @@ def init_process_group(backend, timeout):
     tests/test_faults.py passes without it."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return dist.init_process_group(backend, timeout=timeout)
+        return dist.init_process_group(backend, timeout=timeout, device_id=device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{restart}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timeout)
+                            timeout=timeout, device_id=device)
 
 
 @record  # an unexpected exception reaches torchrun's report as the root cause
@@ -1238,7 +1239,8 @@ def run_worker(args, use_cuda):
     check_flags(args, device, int(os.environ["WORLD_SIZE"]))
     try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
         init_process_group("nccl" if use_cuda else "gloo",
-                           datetime.timedelta(seconds=args.dist_timeout))
+                           datetime.timedelta(seconds=args.dist_timeout),
+                           device if use_cuda else None)
         main(args, device)  # its model and optimizer are garbage once it returns
     except (torch.OutOfMemoryError, MemoryError) as e:
         fail(f"out of memory ({' '.join(str(e).split()).split('. ')[0]}): {MEMORY_ADVICE}")

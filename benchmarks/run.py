@@ -53,11 +53,13 @@ C1B_RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "
             "--batch-size 16 --compile": ["--batch-size", "16", "--compile"],
             "--activation-checkpointing": ["--batch-size", "8", "--activation-checkpointing"],
             "--cpu-offload": ["--batch-size", "8", "--cpu-offload"],
-            # two saves of 12 GB each: the GPU machines' disk holds 64 GB
-            "checkpoint full": ["--batch-size", "8", "--save-every", "10"],
-            "checkpoint sharded": ["--batch-size", "8", "--save-every", "10",
+            # Two saves of 12 GB each (the GPU machines' disk holds 64 GB), 100 steps (24 s on an
+            # H100) apart: longer than the background write of one (about 20 s at 0.6 GB/s), so
+            # that an asynchronous save's pause is its copy, not a wait for the save before it.
+            "checkpoint full": ["--batch-size", "8", "--save-every", "100"],
+            "checkpoint sharded": ["--batch-size", "8", "--save-every", "100",
                                    "--checkpoint-format", "sharded"],
-            "checkpoint sharded --async-checkpoint": ["--batch-size", "8", "--save-every", "10",
+            "checkpoint sharded --async-checkpoint": ["--batch-size", "8", "--save-every", "100",
                                                       "--checkpoint-format", "sharded",
                                                       "--async-checkpoint"]}
 UPSTREAM_C1B_TOKENS_PER_S = 67_300  # pytorch/examples distributed/FSDP2 on an H100 (issue 19)
@@ -317,11 +319,12 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
 
 if "fsdp2-gpu" in args.only:  # world size 1 on the first GPU; the checkpoints in the run's folder
     for name, flags in C1B_RUNS.items():
+        saves = name.startswith("checkpoint")
         configs.append({"benchmark": "fsdp2-gpu", "device": "cuda", "world_size": 1,
                         "name": name, "script": "fsdp2_transformer.py",
-                        "args": [*C1B, *flags, "--steps", "20" if "checkpoint" in name else "40",
+                        "args": [*C1B, *flags, "--steps", "200" if saves else "40",
                                  "--log-every", "10",
-                                 *(["--checkpoint-dir", "ckpt"] if "checkpoint" in name else [])]})
+                                 *(["--checkpoint-dir", "ckpt"] if saves else [])]})
 
 # --------------------------------------------------------------------------------------------- runs
 runs, failures = [], []
@@ -377,6 +380,7 @@ for config in configs:
                 "--- the remaining runs of this configuration are skipped ---\n")
             break
         config["figures"].append(run["figures"])
+        shutil.rmtree(workdir)  # C1B's checkpoints (24 GB a run) would fill the disk by the next
         log(f"    {run['seconds']:.1f} s: "
             + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in run["figures"].items()))

@@ -2,6 +2,7 @@
 resume at any world size, HSDP, activation checkpointing, torch.compile, and the FLOP count."""
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -77,6 +78,22 @@ def test_async_saves_reuse_their_staging_memory_and_all_complete(fsdp2_sharded_r
     folder = fsdp2_sharded_reference.cwd / "ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["step_000010", "step_000020"]
     assert all((folder / name / "COMPLETE").exists() for name in ("step_000010", "step_000020"))
+
+
+def test_an_async_save_that_waits_for_the_write_before_says_so(torchrun, tmp_path):
+    """Saves one step apart, each of 640 MB: the background write of one outlasts the step before
+    the next, so the next save waits for it, and the line says why the pause is long."""
+    result = torchrun(SCRIPT, "--dim", 768, "--n-layers", 6, "--n-heads", 12, "--vocab-size",
+                      8000, "--seq-len", 8, "--batch-size", 1, "--steps", 3, "--save-every", 1,
+                      "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-format", "sharded",
+                      "--async-checkpoint", nproc=1)
+    assert result.returncode == 0, result.output
+    waits = re.findall(r"Waited (\d+\.\d\d) s for the previous checkpoint's background write: "
+                       r"it takes longer than --save-every steps of training; save less often, "
+                       r"or to a faster disk", result.stdout)
+    assert len(waits) == 2 and all(float(w) > 0.5 for w in waits), result.stdout
+    # the pause of a save that waited includes the wait
+    assert all(p > float(w) for p, w in zip(result.metrics["checkpoint_stall_s"][1:], waits))
 
 
 def test_sharded_resume_at_the_same_world_size_is_exact(fsdp2_sharded_reference,
