@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BACKGROUND, REPO
+from conftest import REPO
 
 HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
            "ideal 1/N", "peak RSS / rank (MiB)", "time / step (ms)", "tokens/s",
@@ -22,28 +22,18 @@ MEDIANS = {"train state / rank (MiB)": ("state_mib", 3), "peak RSS / rank (MiB)"
            "time / step (ms)": ("step_ms", 2), "tokens/s": ("tokens_per_s", 0)}
 
 
-def start_early(request):
-    """Start the harness on the background lane (conftest) as the session starts; this file's
-    tests run last."""
-    tmp = request.getfixturevalue("tmp_path_factory").mktemp("benchmarks")
-    RUN.append(BACKGROUND.submit(
-        subprocess.run, [sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
-                         "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
-                         "--fsdp2-options", "plain", "--repeats", "3",
-                         "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
-        cwd=tmp, capture_output=True, text=True, timeout=300,
-        # One thread per process, as torchrun gives 2 ranks: a lone process would take every
-        # core, and OpenMP's spinning threads make it several times slower while other tests run.
-        env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    RUN.append(tmp)
-
-
-RUN = []  # the Future of the harness's run, and its folder
-
-
 @pytest.fixture(scope="module")
-def harness():
-    proc, tmp = RUN[0].result(), RUN[1]
+def harness(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("benchmarks")
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
+                           "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
+                           "--fsdp2-options", "plain", "--repeats", "3",
+                           "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
+                          cwd=tmp, capture_output=True, text=True, timeout=300,
+                          # One thread per process, as torchrun gives 2 ranks: a lone process
+                          # would take every core, and OpenMP's spinning threads make it several
+                          # times slower while other tests run.
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     raw = json.loads((tmp / "runs.json").read_text())
     return proc, (tmp / "tables.md").read_text(), raw["runs"]
 

@@ -11,33 +11,22 @@ import subprocess
 import sys
 
 import pytest
-from conftest import BACKGROUND, REPO
+from conftest import REPO
 
 ROOT = os.geteuid() == 0  # mounting a small tmpfs needs root
 
 
-def start_early(request):
-    """Start chaos.py on the background lane (conftest) as the session starts: its runs are long
-    and leave the cores idle part of the time. This file's tests run last."""
-    cwd = request.getfixturevalue("tmp_path_factory").mktemp("chaos")
-    cases = ["sharded-async", *(["disk-full-sharded-async"] if ROOT else [])]
-    RUN.append(BACKGROUND.submit(
-        subprocess.run, [sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
-                         "--kills", "2", "--fills", "1", "--steps", "30", "--seed", "0",
-                         "--json", cwd / "rows.json"],
-        cwd=cwd, capture_output=True, text=True, timeout=400))
-    RUN.append(cwd)
-
-
-RUN = []  # the Future of chaos.py's run, and its folder
-
-
 @pytest.fixture(scope="module")
-def chaos():
+def chaos(tmp_path_factory):
     """(chaos.py's output, {case: its row})."""
-    proc = RUN[0].result()
+    cwd = tmp_path_factory.mktemp("chaos")
+    cases = ["sharded-async", *(["disk-full-sharded-async"] if ROOT else [])]
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
+                           "--kills", "2", "--fills", "1", "--steps", "30", "--seed", "0",
+                           "--json", cwd / "rows.json"],
+                          cwd=cwd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, {row["case"]: row for row in json.loads((RUN[1] / "rows.json").read_text())}
+    return proc.stdout, {row["case"]: row for row in json.loads((cwd / "rows.json").read_text())}
 
 
 def test_random_kills_recover_to_the_uninterrupted_runs_final_state(chaos):

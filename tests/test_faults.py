@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from conftest import (
-    BACKGROUND,
     FSDP2_TINY,
     MNIST_TINY,
     T5_REFERENCE,
@@ -212,33 +211,19 @@ HUNG_PEER_SCRIPTS = ["fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py",
                      "t5_fsdp_finetune.py"]
 
 
-def start_early(request):
-    """Start the four hung-peer runs on the background lane (conftest) as the session starts:
-    they mostly wait for their timeout. This file's tests run last."""
-    fixture = request.getfixturevalue
-    mnist = ["--data-dir", fixture("mnist_dir"), "--epochs", 50, *MNIST_TINY]
+@pytest.fixture(scope="module")
+def hung_peer_runs(tmp_path_factory, mnist_dir, tiny_t5_dir, wikihow_dir):
+    """{script: hang_rank_1(...)} for the four scripts, run at the same time: each mostly waits for
+    its timeout."""
+    mnist = ["--data-dir", mnist_dir, "--epochs", 50, *MNIST_TINY]
     jobs = {"fsdp1_mnist.py": (mnist, "FSDP built"), "ddp_mnist.py": (mnist, "Train Epoch: 1"),
             "fsdp2_transformer.py": (["--steps", 1_000_000], "step 1 |"),
-            "t5_fsdp_finetune.py": ([*t5_args(fixture("tiny_t5_dir"), fixture("wikihow_dir"), 50),
-                                     "--no-save-model"], "FSDP built")}
-    folders = {script: fixture("tmp_path_factory").mktemp("hung") for script in jobs}
-    HUNG_PEER_RUNS.append(BACKGROUND.submit(hang_rank_1_in_each, jobs, folders))
-
-
-def hang_rank_1_in_each(jobs, folders):
-    """{script: hang_rank_1(...)} for the four scripts, run at the same time."""
+            "t5_fsdp_finetune.py": ([*t5_args(tiny_t5_dir, wikihow_dir, 50), "--no-save-model"],
+                                    "FSDP built")}
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = {script: pool.submit(hang_rank_1, folders[script], script, *job)
+        futures = {script: pool.submit(hang_rank_1, tmp_path_factory.mktemp("hung"), script, *job)
                    for script, job in jobs.items()}
         return {script: future.result() for script, future in futures.items()}
-
-
-HUNG_PEER_RUNS = []  # the Future of hang_rank_1_in_each
-
-
-@pytest.fixture(scope="module")
-def hung_peer_runs():
-    return HUNG_PEER_RUNS[0].result()
 
 
 @pytest.mark.parametrize("script", HUNG_PEER_SCRIPTS)
