@@ -54,8 +54,9 @@ C1B_RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "
             "--activation-checkpointing": ["--batch-size", "8", "--activation-checkpointing"],
             "--cpu-offload": ["--batch-size", "8", "--cpu-offload"],
             # Two saves of 12 GB each (the GPU machines' disk holds 64 GB), 100 steps (24 s on an
-            # H100) apart: longer than the background write of one (about 20 s at 0.6 GB/s), so
-            # that an asynchronous save's pause is its copy, not a wait for the save before it.
+            # H100) apart: longer than a synchronous write (19.6 s), shorter than DCP's background
+            # write while training (about 37 s, 2026-11-24): the asynchronous row's later pause
+            # still includes a wait for the save before, which the script's "Waited" line gives.
             "checkpoint full": ["--batch-size", "8", "--save-every", "100"],
             "checkpoint sharded": ["--batch-size", "8", "--save-every", "100",
                                    "--checkpoint-format", "sharded"],
