@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -85,16 +84,11 @@ def offline_hf(tmp_path_factory):
         yield
 
 
-# The background lane: one run at a time, beside the other tests, which leave the cores idle part
-# of the time (a 2-rank run is mostly Python and torch starting up, or a test waiting for it).
-BACKGROUND = ThreadPoolExecutor(max_workers=1)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def start_early(request, offline_hf):
-    """As the session starts, call start_early(request) of each test file that has one, in the
-    order the files run: it submits its runs to BACKGROUND, and its tests, which run last, wait
-    for them."""
+    """As the session starts, call start_early(request) of each test file that has one: it starts
+    its runs in the background, and its tests, which run last, wait for them. Those runs fill the
+    cores that the other tests leave idle for part of their time."""
     for module in dict.fromkeys(item.module for item in request.session.items):
         if hasattr(module, "start_early"):
             module.start_early(request)

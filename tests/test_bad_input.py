@@ -11,10 +11,10 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import (
-    BACKGROUND,
     FSDP2_TINY,
     MNIST_TINY,
     NO_NETWORK,
@@ -324,12 +324,14 @@ RUNS = {}  # case id: Future of (Run, seconds, folder before, folder after)
 
 
 def start_early(request):
-    """Start every selected case, in a folder of its own, on the background lane; called by
-    conftest as the session starts. This file's tests run last, each waiting for its case. T5's
-    runs, the longest, go first."""
+    """Start every selected case, in a folder of its own; called by conftest as the session
+    starts. The runs go one at a time on a thread of their own, beside the other tests (which leave
+    the cores idle part of the time: a 2-rank run is mostly Python and torch starting up), and
+    this file's tests run last, each waiting for its case. T5's runs, the longest, go first."""
     # Only the cases this session runs (pytest -k, -m smoke): the table's inputs need fixtures.
     selected = {item.callspec.params["name"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_bad_input_fails_cleanly"}
+    pool = ThreadPoolExecutor(max_workers=1)
     for name, script, args, _ in sorted(CASES, key=lambda case: case[1] != "t5_fsdp_finetune.py"):
         if name not in selected:
             continue
@@ -338,7 +340,8 @@ def start_early(request):
         command = [str(a).format_map(inputs) for a in [*BASE_ARGS[script], *args]]
         launch = ([sys.executable, REPO / script, *command] if name in PYTHON_LAUNCHED
                   else torchrun_command(script, command, 2))
-        RUNS[name] = BACKGROUND.submit(run_case, launch, folder, folder_state(folder))
+        RUNS[name] = pool.submit(run_case, launch, folder, folder_state(folder))
+    pool.shutdown(wait=False)
 
 
 def run_case(command, folder, before):
