@@ -601,6 +601,7 @@ class ReusedStager(AsyncStager):
         new = self.staged is None
         if new:
             self.staged = empty_on_cpu(state_dict)
+            # On CPU too, unpinned: the tests (CPU) then check the block's offsets.
             in_one_block(self.staged, pin=torch.cuda.is_available())
         self.allocated.append(sum(t.numel() * t.element_size() for t in tensors_of(self.staged))
                               if new else 0)
