@@ -12,14 +12,14 @@ import datasets
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
-from forked_torchrun import forked_torchrun
+from forked_torchrun import forked_python, forked_torchrun
 from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
 # where torchrun's failure report starts
 TORCHRUN_REPORT = "torch/distributed/elastic/multiprocessing/api.py"
 
-# downloads fail at once
+# downloads fail at once (every run's environment; HF_HUB_OFFLINE=0 tries to download)
 NO_NETWORK = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
 
 # The tiny configurations the test files share: the same command line is one cached run
@@ -71,12 +71,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def offline_hf(tmp_path_factory):
-    """No hub access, and this session's own datasets cache (here and in every script run); every
-    process the tests start imports tests/startup/sitecustomize.py."""
+    """No hub access, downloads that fail at once, and this session's own datasets cache (here and
+    in every script run); every process the tests start imports tests/startup/sitecustomize.py."""
     cache = tmp_path_factory.mktemp("hf_datasets_cache")
     with pytest.MonkeyPatch.context() as patch:
         for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                            ("HF_DATASETS_CACHE", str(cache)),
+                            *NO_NETWORK.items(), ("HF_DATASETS_CACHE", str(cache)),
                             ("PYTHONPATH", os.pathsep.join(filter(None, [
                                 str(REPO / "tests" / "startup"), os.environ.get("PYTHONPATH")])))):
             patch.setenv(name, value)
@@ -164,6 +164,9 @@ def run_command(command, cwd, timeout, env=None):
     env = {**os.environ, **(env or {})}
     if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
         returncode, stdout, stderr = forked_torchrun(command[len(TORCHRUN):], cwd, timeout, env)
+    elif command[0] == sys.executable and command[1].endswith(".py") and (
+            forked := forked_python(command[1:], cwd, timeout, env)):
+        returncode, stdout, stderr = forked
     else:
         proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               env=env)

@@ -1,16 +1,37 @@
-"""torchrun's agent, forked from a process that has imported torch.distributed.run once.
+"""torchrun's agent and its workers, forked from processes that have imported torch once.
 
-conftest.run_command starts torchrun this way rather than as a new Python that imports torch
-again: each launch starts 1.8 s sooner, a third of a short run and minutes over the suite. The
-agent runs torchrun's own main() with the same arguments, environment and folder; the workers it
-starts are new processes, as under torchrun. (Tests that signal or kill a job, or start two
-agents, start TORCHRUN as a command.) This module stays small: each forked agent imports it.
+conftest.run_command starts torchrun this way rather than as new Pythons that import torch again:
+importing torch costs 2.4 s of CPU, and a script's imports 3-7 s, in each of a run's processes;
+the suite is CPU-bound, so that was most of its time. What runs is unchanged:
+
+- The agent is forked from a process that imported torch.distributed.run, and runs torchrun's own
+  main() with the run's arguments, environment and folder.
+- Its workers are forked from a worker server (one per script, started on first use, ending with
+  the session) that imported the modules the script imports, with the run's environment and
+  OMP_NUM_THREADS=1 as torchrun gives. Each worker then runs the script's file as `__main__`,
+  with torchrun's per-worker environment, arguments and output files, in its own session (torchrun
+  signals the process group), and ends as Python does. Whatever importing printed (a library's
+  warning) is printed again at the start of each worker's stderr, as a new Python would print it.
+- A run whose environment differs from the server's (a test's env=...), or a command torchrun
+  builds differently, starts its workers as new processes, as before.
+
+Tests that signal or kill a job, or start two agents, start TORCHRUN as a command: everything is
+then a new process. This module stays small: each forked agent imports it.
 """
+import ast
+import importlib
+import io
 import multiprocessing
 import os
+import pickle
+import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -20,20 +41,43 @@ AGENTS.set_forkserver_preload(["torch.distributed.run", "forked_torchrun"])
 
 def forked_torchrun(args, cwd, timeout, env):
     """torchrun args in cwd with env, as a forked agent: (exit status, stdout, stderr)."""
+    script = next((arg for arg in args if arg.endswith(".py")), None)
+    server = worker_server(script, env) if script else None
     with tempfile.TemporaryDirectory() as logs:
         outputs = (os.path.join(logs, "stdout"), os.path.join(logs, "stderr"))
-        agent = AGENTS.Process(target=torchrun_agent, args=(args, cwd, env, outputs))
+        agent = AGENTS.Process(target=torchrun_agent, args=(args, cwd, env, outputs, server))
         agent.start()
         agent.join(timeout)
         if agent.exitcode is None:
             agent.kill()
             agent.join()
             raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
-        stdout, stderr = (Path(path).read_text(errors="replace") for path in outputs)
-        return agent.exitcode, stdout, stderr
+        return (agent.exitcode, *read(outputs))
 
 
-def torchrun_agent(args, cwd, env, outputs):
+def forked_python(args, cwd, timeout, env):
+    """`python script args` in cwd with env, forked from the script's server: (exit status,
+    stdout, stderr); None when the server cannot run it (env is not its environment)."""
+    server = worker_server(args[0], env)
+    if not server:
+        return None
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = (os.path.join(logs, "stdout"), os.path.join(logs, "stderr"))
+        with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
+            process = ForkedWorker(server[0], args, env, cwd, stdout.fileno(), stderr.fileno())
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        return (process.returncode, *read(outputs))
+
+
+def read(outputs):
+    return [Path(path).read_text(errors="replace") for path in outputs]
+
+
+def torchrun_agent(args, cwd, env, outputs, server):
     """In the forked process: what `torchrun args` does, ending with its exit status."""
     os.chdir(cwd)
     os.environ.clear()
@@ -41,6 +85,8 @@ def torchrun_agent(args, cwd, env, outputs):
     for fd, path in zip((1, 2), outputs):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.argv = ["torchrun", *args]
+    if server:
+        fork_workers_from(*server)
     status = 0
     try:
         from torch.distributed.run import main
@@ -55,3 +101,239 @@ def torchrun_agent(args, cwd, env, outputs):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status or 0)
+
+
+# --- the worker servers, seen from the test session -------------------------------------------
+
+SERVERS = {}  # script name -> (socket address, environment it was started with)
+SERVERS_LOCK = threading.Lock()  # the bad-input table starts runs from threads
+LIFELINE = []  # the write end of a pipe the servers watch: they end when the session does
+
+
+def worker_server(script, env):
+    """(address, script name) of the server for `script`'s workers, started on first use; None
+    when env is not the one it was started with (its imports may have read the environment), or
+    for a script that is not one of the four (or a changed copy of one)."""
+    name = Path(script).name
+    if not (Path(__file__).resolve().parent.parent / name).exists():
+        return None
+    with SERVERS_LOCK:
+        if name not in SERVERS and imports_read(env) == imports_read(os.environ):
+            if not LIFELINE:
+                read_end, write_end = os.pipe()
+                LIFELINE[:] = [read_end, write_end]
+            folder = tempfile.mkdtemp(prefix="workers-")
+            address = os.path.join(folder, "socket")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(address)  # clients may connect now; the server accepts once it imported
+            listener.listen(64)
+            subprocess.Popen([sys.executable, __file__, script, str(listener.fileno()),
+                              str(LIFELINE[0])], env=env, pass_fds=(listener.fileno(), LIFELINE[0]),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=open(os.path.join(folder, "server.log"), "w"), cwd=folder)
+            listener.close()
+            SERVERS[name] = (address, imports_read(env))
+        address, server_env = SERVERS.get(name, (None, None))
+    return (address, name) if imports_read(env) == server_env else None
+
+
+def imports_read(env):
+    """What importing may read of an environment: all of it but the name of the current test."""
+    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
+
+
+# --- in the agent: its workers, from the server -----------------------------------------------
+
+def fork_workers_from(address, script_name):
+    """Make torchrun's SubprocessHandler fork `python -u <script_name> ...` from the server."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    new_process = subprocess_handler.SubprocessHandler._popen
+
+    def _popen(handler, args, env):
+        if list(args[:2]) == [sys.executable, "-u"] and Path(args[2]).name == script_name:
+            # it writes to the same open files as the agent's stdout and stderr, or to torchrun's
+            # redirect files
+            outputs = [file.fileno() if file else fd
+                       for file, fd in ((handler._stdout, 1), (handler._stderr, 2))]
+            return ForkedWorker(address, args[2:], env, os.getcwd(), *outputs)
+        return new_process(handler, args, env)
+
+    subprocess_handler.SubprocessHandler._popen = _popen
+
+
+class ForkedWorker:
+    """What torchrun uses of the subprocess.Popen of a worker (pid, poll, wait, returncode), for a
+    worker forked by the server: its exit status comes over the connection."""
+
+    def __init__(self, address, args, env, cwd, stdout, stderr):
+        """Run `python args` (a script and its arguments) with env in cwd, writing to the file
+        descriptors stdout and stderr."""
+        self.args, self.returncode = args, None
+        self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.connection.connect(address)
+        request = pickle.dumps((list(map(str, args)), dict(env), str(cwd)))
+        socket.send_fds(self.connection, [struct.pack("Q", len(request))], [stdout, stderr])
+        self.connection.sendall(request)
+        self.pid = struct.unpack("q", receive(self.connection, 8))[0]
+
+    def poll(self):
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            if not select.select([self.connection], [], [], timeout)[0]:
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            status = receive(self.connection, 4)
+            # a server gone without a word (the session ended): as if killed
+            self.returncode = struct.unpack("i", status)[0] if status else -signal.SIGKILL
+            self.connection.close()
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def receive(connection, size):
+    data = b""
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+# --- the server --------------------------------------------------------------------------------
+
+def serve(script, listener, lifeline):
+    """Import what script imports, then fork a worker for each request. Returns only in a worker:
+    (its request, what importing printed on stdout and stderr)."""
+    printed = preload(script)
+    import gc
+    gc.freeze()  # the imported objects stay shared with the workers, not copied by collections
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # no zombies: each request's manager is reaped
+    while True:
+        ready = select.select([listener, lifeline], [], [])[0]
+        if lifeline in ready:  # the session is over
+            os._exit(0)
+        connection = listener.accept()[0]
+        if os.fork() == 0:  # this request's manager: forks the worker, reports its exit status
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            listener.close()
+            os.close(lifeline)
+            request = manage(connection)
+            return request, printed
+        connection.close()
+
+
+def manage(connection):
+    header, (stdout, stderr), _, _ = socket.recv_fds(connection, 8, 2)
+    request = pickle.loads(receive(connection, struct.unpack("Q", header)[0]))
+    pid = os.fork()
+    if pid == 0:
+        connection.close()
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        os.close(stdout)
+        os.close(stderr)
+        return request
+    os.close(stdout)
+    os.close(stderr)
+    connection.sendall(struct.pack("q", pid))
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # -N when killed by signal N
+    connection.sendall(struct.pack("i", status))
+    os._exit(0)
+
+
+def preload(script):
+    """Import the modules script imports (and those its own modules beside it import); return
+    what that printed, captured from file descriptors 1 and 2."""
+    folder = str(Path(script).resolve().parent)
+    sys.path.insert(0, folder)
+    saved = [os.dup(1), os.dup(2)]
+    captured = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    for fd, file in zip((1, 2), captured):
+        os.dup2(file.fileno(), fd)
+    try:
+        for name in imported_by(Path(script), set()):
+            try:
+                importlib.import_module(name)
+            except Exception:  # the worker will meet it, and say so, as a new Python would
+                pass
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        sys.path.remove(folder)
+    printed = []
+    for file in captured:
+        file.seek(0)
+        printed.append(file.read())
+    return printed
+
+
+def imported_by(path, seen):
+    """The modules a file's import statements name, except those beside it (whose own imports
+    are listed instead): a worker of a changed copy must import its own."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            local = path.parent / (module.split(".")[0] + ".py")
+            if local.exists():
+                if local not in seen:
+                    seen.add(local)
+                    names += imported_by(local, seen)
+            else:
+                names.append(module)
+    return names
+
+
+def run_worker(request, printed):
+    """In the forked worker: what `python -u script args` does with torchrun's environment."""
+    args, env, cwd = request
+    os.setsid()  # as torchrun starts it: it signals the worker's process group
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    threads = int(env.get("OMP_NUM_THREADS", "0") or 0)  # torchrun gives each worker 1
+    if threads:  # a new Python's OpenMP would read it as it loads
+        import torch
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    for fd, text in zip((1, 2), printed):
+        os.write(fd, text)
+    # -u: unbuffered, in order with what the C++ side writes to the same files
+    sys.stdout, sys.stderr = (
+        io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors=errors,
+                         write_through=True)
+        for fd, errors in ((1, "strict"), (2, "backslashreplace")))
+    script = os.path.abspath(args[0])
+    sys.argv = [args[0], *args[1:]]
+    sys.path[0] = os.path.dirname(script)
+    main = type(sys)("__main__")
+    main.__file__ = script
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    exec(compile(Path(script).read_bytes(), script, "exec"), main.__dict__)
+
+
+if __name__ == "__main__":
+    run_worker(*serve(sys.argv[1], socket.socket(fileno=int(sys.argv[2])), int(sys.argv[3])))

@@ -17,7 +17,6 @@ import pytest
 from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
-    NO_NETWORK,
     REPO,
     SMOKE,
     copy_fsdp2_checkpoint,
@@ -346,7 +345,7 @@ def start_early(request):
 
 def run_case(command, folder, before):
     start = time.perf_counter()
-    result = run_command(command, folder, timeout=60, env=NO_NETWORK)
+    result = run_command(command, folder, timeout=60)
     return result, time.perf_counter() - start, before, folder_state(folder)
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from conftest import MNIST_TINY as TINY
-from conftest import NO_NETWORK, REPO, SMOKE, run_command, warning_lines
+from conftest import REPO, SMOKE, run_command, warning_lines
 from digits_mnist import TEST_SIZE as MNIST_TEST
 
 SCRIPTS = ["ddp_mnist.py", "fsdp1_mnist.py"]
@@ -190,7 +190,7 @@ def test_dry_run_stops_after_one_batch(torchrun, mnist_dir):
 
 def test_spawn_mode_reports_missing_data_once(tmp_path):
     result = run_command([sys.executable, REPO / "ddp_mnist.py", "--data-dir",
-                          tmp_path / "missing"], tmp_path, timeout=60, env=NO_NETWORK)
+                          tmp_path / "missing"], tmp_path, timeout=60)
     assert result.returncode == 1
     assert result.stderr.count("error: MNIST is not in") == 1 and "Traceback" not in result.stderr
 
