@@ -138,8 +138,10 @@ def worker_server(script, env):
 
 
 def imports_read(env):
-    """What importing may read of an environment: all of it but the name of the current test."""
-    return {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}
+    """What importing may read of an environment: all of it but the name of the current test and
+    OMP_NUM_THREADS (each worker applies its own)."""
+    return {key: value for key, value in env.items()
+            if key not in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS")}
 
 
 # --- in the agent: its workers, from the server -----------------------------------------------

@@ -4,7 +4,7 @@ processes."""
 import json
 import os
 import socket
-import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from conftest import (
     REPO,
     TORCHRUN,
     copy_fsdp2_checkpoint,
+    run_command,
     t5_args,
 )
 
@@ -31,19 +32,18 @@ def run_two_nodes(tmp_path, script, *args, nproc_per_node=1):
     """Start node 0 and node 1, each in its own folder; return the metrics global rank 0 wrote."""
     endpoint = f"127.0.0.1:{free_port()}"
     agents = []
-    for node in (0, 1):
-        folder = tmp_path / f"node{node}"
-        folder.mkdir(exist_ok=True)
-        command = [*TORCHRUN, "--nnodes", 2, "--node-rank", node, "--nproc-per-node",
-                   nproc_per_node, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                   "--rdzv-id", "test", REPO / script, *args, "--metrics-json", "metrics.json"]
-        # torchrun sets one thread per process only for several processes per node; the one-node
-        # runs have it.
-        agents.append(subprocess.Popen([str(c) for c in command], cwd=folder,
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(outputs)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for node in (0, 1):
+            folder = tmp_path / f"node{node}"
+            folder.mkdir(exist_ok=True)
+            command = [*TORCHRUN, "--nnodes", 2, "--node-rank", node, "--nproc-per-node",
+                       nproc_per_node, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                       "--rdzv-id", "test", REPO / script, *args, "--metrics-json", "metrics.json"]
+            # torchrun sets one thread per process only for several processes per node; the
+            # one-node runs have it.
+            agents.append(pool.submit(run_command, command, folder, 300, {"OMP_NUM_THREADS": "1"}))
+        runs = [agent.result() for agent in agents]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(run.output for run in runs)
     written = [tmp_path / f"node{node}" / "metrics.json" for node in (0, 1)]
     written = [path for path in written if path.exists()]
     # c10d rendezvous orders the nodes as they arrive: either may be rank 0
