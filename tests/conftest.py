@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import datasets
@@ -239,23 +240,22 @@ def t5_args(model_dir, data_dir, epochs, *args):
 
 
 @pytest.fixture(scope="session")
-def help_text():
+def help_text(tmp_path_factory):
     """help_text(script): its --help, with argparse's line wrapping undone. The first call runs
-    all four scripts' --help side by side: most of each is Python importing torch."""
+    all four scripts' --help side by side."""
     texts = {}
 
     def text(script):
         if not texts:
-            running = {}
-            for name in ("fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py",
-                         "t5_fsdp_finetune.py"):
-                running[name] = subprocess.Popen([sys.executable, REPO / name, "--help"],
-                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                 text=True)
-            for name, proc in running.items():
-                stdout, stderr = proc.communicate(timeout=60)
-                assert proc.returncode == 0, stderr
-                texts[name] = " ".join(stdout.split())
+            names = ("fsdp1_mnist.py", "ddp_mnist.py", "fsdp2_transformer.py",
+                     "t5_fsdp_finetune.py")
+            with ThreadPoolExecutor(max_workers=len(names)) as pool:
+                runs = pool.map(lambda name: run_command([sys.executable, REPO / name, "--help"],
+                                                         tmp_path_factory.mktemp("help"), 60),
+                                names)
+            for name, run in zip(names, runs):
+                assert run.returncode == 0, run.stderr
+                texts[name] = " ".join(run.stdout.split())
         return texts[script]
 
     return text
