@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -226,7 +227,8 @@ def serve(script, listener, lifeline):
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # no zombies: each request's manager is reaped
     while True:
         ready = select.select([listener, lifeline], [], [])[0]
-        if lifeline in ready:  # the session is over
+        if lifeline in ready:  # the session is over: its socket and log go too
+            shutil.rmtree(os.path.dirname(listener.getsockname()), ignore_errors=True)
             os._exit(0)
         connection = listener.accept()[0]
         if os.fork() == 0:  # this request's manager: forks the worker, reports its exit status
