@@ -15,8 +15,8 @@ the suite is CPU-bound, so that was most of its time. What runs is unchanged:
 - A run whose environment differs from the server's (a test's env=...), or a command torchrun
   builds differently, starts its workers as new processes, as before.
 
-Tests that signal or kill a job, or start two agents, start TORCHRUN as a command: everything is
-then a new process. This module stays small: each forked agent imports it.
+Tests that signal or kill a job, or find workers by their parent, start TORCHRUN as a command:
+everything is then a new process. This module stays small: each forked agent imports it.
 """
 import ast
 import importlib
@@ -194,16 +194,6 @@ class ForkedWorker:
             self.returncode = struct.unpack("i", status)[0] if status else -signal.SIGKILL
             self.connection.close()
         return self.returncode
-
-    def send_signal(self, sig):
-        if self.returncode is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self):
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
 
 
 def receive(connection, size):
