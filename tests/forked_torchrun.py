@@ -15,8 +15,9 @@ the suite is CPU-bound, so that was most of its time. What runs is unchanged:
 - A run whose environment differs from the server's (a test's env=...), or a command torchrun
   builds differently, starts its workers as new processes, as before.
 
-Tests that signal or kill a job, or find workers by their parent, start TORCHRUN as a command:
-everything is then a new process. This module stays small: each forked agent imports it.
+test_faults starts a ForkedAgent in the background and kills or stops its workers (it lists them).
+Tests that signal a launcher (test_edges) start TORCHRUN as a command: everything is then a new
+process. This module stays small: each forked agent imports it.
 """
 import ast
 import importlib
@@ -42,18 +43,55 @@ AGENTS.set_forkserver_preload(["torch.distributed.run", "forked_torchrun"])
 
 def forked_torchrun(args, cwd, timeout, env):
     """torchrun args in cwd with env, as a forked agent: (exit status, stdout, stderr)."""
-    script = next((arg for arg in args if arg.endswith(".py")), None)
-    server = worker_server(script, env) if script else None
     with tempfile.TemporaryDirectory() as logs:
         outputs = (os.path.join(logs, "stdout"), os.path.join(logs, "stderr"))
-        agent = AGENTS.Process(target=torchrun_agent, args=(args, cwd, env, outputs, server))
-        agent.start()
-        agent.join(timeout)
-        if agent.exitcode is None:
+        agent = ForkedAgent(args, cwd, env, outputs)
+        try:
+            agent.wait(timeout)
+        except subprocess.TimeoutExpired:
             agent.kill()
-            agent.join()
-            raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
-        return (agent.exitcode, *read(outputs))
+            agent.wait()
+            raise
+        return (agent.returncode, *read(outputs))
+
+
+class ForkedAgent:
+    """What a test uses of the subprocess.Popen of `torchrun args` (pid, poll, wait, kill,
+    returncode), for a forked agent that writes to the files at outputs (stdout, stderr); and
+    workers(), since its workers are not its children (nor is their RANK in /proc/PID/environ,
+    which shows the environment a process was exec'd with)."""
+
+    def __init__(self, args, cwd, env, outputs):
+        self.args = ["torchrun", *map(str, args)]
+        script = next((arg for arg in self.args if arg.endswith(".py")), None)
+        server = worker_server(script, env) if script else None
+        self.started = tempfile.NamedTemporaryFile(prefix="workers-", suffix=".txt")
+        self.process = AGENTS.Process(target=torchrun_agent,
+                                      args=(self.args[1:], str(cwd), env, list(map(str, outputs)),
+                                            server, self.started.name))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def workers(self):
+        """{rank: pid} of the workers the agent started last (a restart's replace the first)."""
+        with open(self.started.name) as f:
+            return {int(rank): int(pid) for rank, pid in (line.split() for line in f)}
+
+    @property
+    def returncode(self):
+        return self.process.exitcode  # -N when killed by signal N, as Popen's
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def kill(self):
+        self.process.kill()
 
 
 def forked_python(args, cwd, timeout, env):
@@ -78,16 +116,16 @@ def read(outputs):
     return [Path(path).read_text(errors="replace") for path in outputs]
 
 
-def torchrun_agent(args, cwd, env, outputs, server):
-    """In the forked process: what `torchrun args` does, ending with its exit status."""
+def torchrun_agent(args, cwd, env, outputs, server, started):
+    """In the forked process: what `torchrun args` does, ending with its exit status. Each worker
+    it starts adds a line `RANK pid` to the file `started`."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in zip((1, 2), outputs):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.argv = ["torchrun", *args]
-    if server:
-        fork_workers_from(*server)
+    fork_workers_from(server, started)
     status = 0
     try:
         from torch.distributed.run import main
@@ -147,20 +185,25 @@ def imports_read(env):
 
 # --- in the agent: its workers, from the server -----------------------------------------------
 
-def fork_workers_from(address, script_name):
-    """Make torchrun's SubprocessHandler fork `python -u <script_name> ...` from the server."""
+def fork_workers_from(server, started):
+    """Make torchrun's SubprocessHandler fork `python -u <script_name> ...` from the server
+    (address, script name), if any; and note each worker's rank and pid in the file `started`."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     new_process = subprocess_handler.SubprocessHandler._popen
 
     def _popen(handler, args, env):
-        if list(args[:2]) == [sys.executable, "-u"] and Path(args[2]).name == script_name:
+        if server and list(args[:2]) == [sys.executable, "-u"] and Path(args[2]).name == server[1]:
             # it writes to the same open files as the agent's stdout and stderr, or to torchrun's
             # redirect files
             outputs = [file.fileno() if file else fd
                        for file, fd in ((handler._stdout, 1), (handler._stderr, 2))]
-            return ForkedWorker(address, args[2:], env, os.getcwd(), *outputs)
-        return new_process(handler, args, env)
+            worker = ForkedWorker(server[0], args[2:], env, os.getcwd(), *outputs)
+        else:
+            worker = new_process(handler, args, env)
+        with open(started, "a") as f:
+            f.write(f"{env['RANK']} {worker.pid}\n")
+        return worker
 
     subprocess_handler.SubprocessHandler._popen = _popen
 

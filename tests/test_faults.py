@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +13,7 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     T5_REFERENCE,
+    TORCHRUN,
     TORCHRUN_REPORT,
     full_state_of,
     run_command,
@@ -21,14 +21,15 @@ from conftest import (
     t5_args,
     torchrun_command,
 )
+from forked_torchrun import ForkedAgent
 
 
 def launch(cwd, script, *args, max_restarts=0):
-    """Start torchrun (2 processes) in the background; its output goes to cwd/stdout.txt and
-    cwd/stderr.txt."""
+    """Start torchrun (2 processes) in the background, forked as run_command's are; its output
+    goes to cwd/stdout.txt and cwd/stderr.txt."""
     command = torchrun_command(script, [*args, "--metrics-json", "metrics.json"], 2, max_restarts)
-    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
-        return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err)
+    return ForkedAgent(command[len(TORCHRUN):], cwd, dict(os.environ),
+                       (cwd / "stdout.txt", cwd / "stderr.txt"))
 
 
 def wait_for(condition, timeout, what):
@@ -44,24 +45,10 @@ def proc_stat(pid):
         return f.read().rsplit(")", 1)[1].split()
 
 
-def workers(agent):
-    """{rank: pid} of the worker processes torchrun has started (its children, with RANK set)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parent = int(proc_stat(pid)[1])
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except OSError:  # gone meanwhile
-            continue
-        if parent == agent.pid and b"RANK" in env:
-            found[int(env[b"RANK"])] = int(pid)
-    return found
-
-
 def running_workers(agent, nproc=2):
+    """{rank: pid} of the agent's workers, once it has started them."""
     deadline = time.monotonic() + 60
-    while len(found := workers(agent)) < nproc:
+    while len(found := agent.workers()) < nproc:
         assert time.monotonic() < deadline and agent.poll() is None, "the workers did not start"
         time.sleep(0.05)
     return found
@@ -81,7 +68,7 @@ def finish(agent, cwd, timeout=240):
 
 def stop(agent):
     """Kill torchrun and its workers, a stopped one included, when a test ends before they do."""
-    for pid in workers(agent).values():
+    for pid in agent.workers().values():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     agent.kill()
