@@ -62,13 +62,12 @@ class ForkedAgent:
     which shows the environment a process was exec'd with)."""
 
     def __init__(self, args, cwd, env, outputs):
-        self.args = ["torchrun", *map(str, args)]
+        self.args = [str(arg) for arg in args]
         script = next((arg for arg in self.args if arg.endswith(".py")), None)
         server = worker_server(script, env) if script else None
         self.started = tempfile.NamedTemporaryFile(prefix="workers-", suffix=".txt")
-        self.process = AGENTS.Process(target=torchrun_agent,
-                                      args=(self.args[1:], str(cwd), env, list(map(str, outputs)),
-                                            server, self.started.name))
+        self.process = AGENTS.Process(target=torchrun_agent, args=(
+            self.args, cwd, env, outputs, server, self.started.name))
         self.process.start()
         self.pid = self.process.pid
 
@@ -87,7 +86,7 @@ class ForkedAgent:
     def wait(self, timeout=None):
         self.process.join(timeout)
         if self.returncode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
+            raise subprocess.TimeoutExpired(["torchrun", *self.args], timeout)
         return self.returncode
 
     def kill(self):
@@ -231,7 +230,7 @@ class ForkedWorker:
             if not select.select([self.connection], [], [], timeout)[0]:
                 if timeout == 0:
                     return None
-                raise subprocess.TimeoutExpired(self.args, timeout)
+                raise subprocess.TimeoutExpired(["torchrun", *self.args], timeout)
             status = receive(self.connection, 4)
             # a server gone without a word (the session ended): as if killed
             self.returncode = struct.unpack("i", status)[0] if status else -signal.SIGKILL

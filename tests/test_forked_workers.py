@@ -28,34 +28,33 @@ def test_a_forked_worker_sees_what_a_new_process_sees(tmp_path, launcher):
     args = ["--steps", 1, "--metrics-json", "metrics.json"]
     command = (torchrun_command(script, args, 2) if launcher == "torchrun"
                else [sys.executable, script, *args])
-    seen = {}
-    for how in ("new", "forked"):
-        if how == "new":
-            proc = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True,
-                                  text=True, timeout=120)
-            status, stdout = proc.returncode, proc.stdout
-        else:
-            run = run_command(command, tmp_path, timeout=120)
-            status, stdout = run.returncode, run.stdout
-        facts = sorted(tmp_path.glob("facts*.json"))
-        seen[how] = (status, stdout.count("printed before exiting"),
-                     [json.loads(path.read_text()) for path in facts])
-        for path in facts:
+
+    def seen(status, stdout):
+        """(exit status, times the script printed its line, the facts files, which go)."""
+        files = sorted(tmp_path.glob("facts*.json"))
+        facts = [json.loads(path.read_text()) for path in files]
+        for path in files:
             path.unlink()
+        return status, stdout.count("printed before exiting"), facts
+
+    proc = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    new = seen(proc.returncode, proc.stdout)
+    run = run_command(command, tmp_path, timeout=120)
+    forked = seen(run.returncode, run.stdout)
     ranks = 2 if launcher == "torchrun" else 1
-    assert seen["new"][1:] == (ranks, [{
+    assert new[1:] == (ranks, [{
         "name": "__main__", "file": str(script), "argv": [str(script), *map(str, args)],
         "path0": str(tmp_path), "cwd": str(tmp_path),
         "rank": str(rank) if launcher == "torchrun" else None,
         # torchrun gives each worker 1 thread and -u; python keeps torch's default and
         # PYTHONUNBUFFERED
-        "threads": 1 if launcher == "torchrun" else seen["new"][2][0]["threads"],
+        "threads": 1 if launcher == "torchrun" else new[2][0]["threads"],
         "own_session": launcher == "torchrun",
-        "unbuffered": launcher == "torchrun" or seen["new"][2][0]["unbuffered"],
-        "other_scripts_imports": []} for rank in range(ranks)]), seen["new"]
+        "unbuffered": launcher == "torchrun" or new[2][0]["unbuffered"],
+        "other_scripts_imports": []} for rank in range(ranks)]), new
     # status: torchrun's 1 for a failed worker, python's own 3
-    assert seen["new"][0] == (1 if launcher == "torchrun" else 3)
-    forked = seen["forked"]
+    assert new[0] == (1 if launcher == "torchrun" else 3)
     if launcher == "python":  # forked: in its own session, unbuffered (no output is lost)
-        forked[2][0].update(own_session=False, unbuffered=seen["new"][2][0]["unbuffered"])
-    assert forked == seen["new"]
+        forked[2][0].update(own_session=False, unbuffered=new[2][0]["unbuffered"])
+    assert forked == new
