@@ -7,15 +7,21 @@ import sys
 import pytest
 from conftest import run_command, script_with_lines, torchrun_command
 
-# Put after the script's imports: what the script sees of its process, then exit status 3.
+# Put after the script's imports: what the script sees of its process, then exit status 3 once
+# every rank has written its facts (torchrun stops the other workers when one exits non-zero: a
+# rank still importing would never write them).
 FACTS = """
-import json as _json, sys as _sys
-_json.dump({"name": __name__, "file": __file__, "argv": _sys.argv, "path0": _sys.path[0],
-            "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "threads": torch.get_num_threads(),
-            "own_session": os.getsid(0) == os.getpid(), "unbuffered": _sys.stdout.write_through,
-            "other_scripts_imports": [m for m in ("torchvision", "transformers", "datasets")
-                                      if m in _sys.modules]},
-           open(f"facts{os.environ.get('RANK', '')}.json", "w"))
+import glob as _glob, json as _json, sys as _sys, time as _time
+with open(f"facts{os.environ.get('RANK', '')}.json.tmp", "w") as _file:
+    _json.dump({"name": __name__, "file": __file__, "argv": _sys.argv, "path0": _sys.path[0],
+                "cwd": os.getcwd(), "rank": os.environ.get("RANK"),
+                "threads": torch.get_num_threads(), "own_session": os.getsid(0) == os.getpid(),
+                "unbuffered": _sys.stdout.write_through,
+                "other_scripts_imports": [m for m in ("torchvision", "transformers", "datasets")
+                                          if m in _sys.modules]}, _file)
+os.rename(_file.name, _file.name[:-len(".tmp")])
+while len(_glob.glob("facts*.json")) < int(os.environ.get("WORLD_SIZE", "1")):
+    _time.sleep(0.01)
 print("printed before exiting")
 raise SystemExit(3)
 """
