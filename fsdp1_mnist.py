@@ -188,8 +188,7 @@ def main(args, device):
 
 def parse_args():
     parser = RankZeroArgumentParser(
-        description="PyTorch MNIST example with FSDP1 (FullyShardedDataParallel)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="PyTorch MNIST example with FSDP1 (FullyShardedDataParallel)")
     add = parser.add_argument_group("training").add_argument
     add("--batch-size", type=positive(int), default=64, metavar="N", help="batch per process")
     add("--test-batch-size", type=positive(int), default=1000, metavar="N", help="test batch")
@@ -592,14 +591,15 @@ class Report:
         self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
         return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
-    def training_done(self, model, optimizer):
+    def training_done(self, model, optimizer, trained=True):
+        """Print the training time (not when nothing was left to train) and the memory figures."""
         self.wall_s = time.perf_counter() - self.start
-        if self.cuda:
+        if trained and self.cuda:
             self.cuda[1].record()
             self.cuda[1].synchronize()
             seconds = self.cuda[0].elapsed_time(self.cuda[1]) / 1000
             rank0_print(f"CUDA event elapsed time: {seconds:.3f}sec")
-        else:
+        elif trained:
             rank0_print(f"Wall-clock elapsed time: {self.wall_s:.3f}sec")
         self.state, self.peak = self.memory(model, optimizer)
         rank0_print(f"Peak memory per rank ({'CUDA allocated' if self.cuda else 'process RSS'}): "
@@ -687,9 +687,6 @@ def run_worker(args, use_cuda):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Faster exit, not a fix: Python's last collection at exit walks every object torch made
-        # (0.6 s per process, a good part of a short run); frozen, they go with the process.
-        gc.freeze()
         if FAILING:  # Workaround, the same abort: its error line is out, so end now, before
             # the interpreter's teardown, where gloo's threads can still abort it (1 in 5 T5
             # resumes from a corrupted checkpoint kept a DeviceMesh alive; torch 2.14). Remove it
@@ -721,6 +718,12 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
                       MASTER_PORT=str(port))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
+    # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
+    # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
+    # exit: one that ends through os._exit (an error line, Ctrl-C) then leaves "resource_tracker:
+    # There appear to be 2 leaked semaphore objects to clean up at shutdown".
+    multiprocessing.set_start_method(None, force=True)
     run_worker(args, use_cuda)
 
 
@@ -765,7 +768,6 @@ def launch(args):
     for worker in workers:
         worker.kill()
         worker.join()
-    gc.freeze()  # a faster exit, as in run_worker
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
 
 
@@ -782,10 +784,26 @@ def add_run_flags(parser):
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # once, from rank 0, instead of once per torchrun worker
+    """The flags' parser: a bad value is said once, from rank 0, not once per torchrun worker;
+    --help gives each flag's default where it says something (HelpWithDefaults)."""
+
+    def __init__(self, description):
+        super().__init__(description=description, formatter_class=HelpWithDefaults)
+
+    def error(self, message):
         if int(os.environ.get("RANK", "0")) == 0:
             super().error(message)
         fail(message)
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" after a flag's help, but not after a switch (off unless given), a default of
+    None (its help says what happens then) or help that names its default itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def positive(kind, zero=False, most=math.inf):

@@ -187,8 +187,9 @@ def check_sharding(model, mixed_precision):
     if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
                for p in params):
         fail(f"fully_shard did not turn every parameter into a float32 DTensor {placements}")
-    layout = f"sharded Shard(0) over {mesh.size()} ranks" if mesh.ndim == 1 else (
-        f"replicated over {mesh.shape[0]} and sharded Shard(0) over {mesh.shape[1]} ranks (HSDP)")
+    ranks = [f"{n} rank{'s' * (n != 1)}" for n in mesh.shape]
+    layout = f"sharded Shard(0) over {ranks[0]}" if mesh.ndim == 1 else (
+        f"replicated over {ranks[0]} and sharded Shard(0) over {ranks[1]} (HSDP)")
     rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
                 f"float32 DTensors {layout}; rank 0 holds "
                 f"{sum(p.to_local().numel() for p in params):,} values")
@@ -391,8 +392,7 @@ def main(args, device):
 
 def parse_args():
     parser = RankZeroArgumentParser(
-        description="FSDP2 (fully_shard) training of a small causal Transformer",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="FSDP2 (fully_shard) training of a small causal Transformer")
     add = parser.add_argument_group("model and training").add_argument
     add("--vocab-size", type=positive(int), default=128, metavar="N", help="vocabulary size")
     add("--dim", type=positive(int), default=64, metavar="N", help="model width")
@@ -987,7 +987,7 @@ class StepLog:
                                 f", MFU {figures['mfu']:.1%}" if figures["mfu"] else "")
                             if figures["tflops_per_gpu"] is not None else
                             f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
-        self.report.training_done(model, optimizer)
+        self.report.training_done(model, optimizer, trained=bool(self.losses))
         folder = checkpointer and checkpointer.folder
         self.report.write(
             train_loss=self.losses[-1] if self.losses else None, losses=self.losses,
@@ -1163,20 +1163,32 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     lines += [f"  {name:<48}{value / scale:10.2f}" for name, value in rows]
     lines.append(f"  {'fits one device of (GiB)':<48}{device_gib:10.2f}  "
                  + ("yes" if plan["fits"] else "NO"))
-    lines.append(f"ranks | training state | activations | peak | fits ({unit} per rank)")
+    table = []
     for ranks in PLAN_RANKS:
         if options["batch_size"] % (ranks * options["grad_accum_steps"]):
-            lines.append(f"{ranks:5} | --batch-size {options['batch_size']} does not divide")
+            table.append([str(ranks), f"--batch-size {options['batch_size']} does not divide"])
             continue
         row = memory_plan(model, ranks, 1, **options)
-        figures = [row[k] / scale for k in ("train_state_bytes", "activation_bytes", "peak_bytes")]
-        lines.append(f"{ranks:5} | {figures[0]:14.2f} | {figures[1]:11.2f} | {figures[2]:6.2f} | "
-                     + ("yes" if row["peak_bytes"] <= device_gib * gib else "no"))
+        table.append([str(ranks), *(f"{row[k] / scale:.2f}" for k in (
+            "train_state_bytes", "activation_bytes", "peak_bytes")),
+                      "yes" if row["peak_bytes"] <= device_gib * gib else "no"])
+    lines += aligned(["ranks", "training state", "activations", "peak",
+                      f"fits ({unit} per rank)"], table)
     if not plan["fits"]:
         lines.append("To fit: " + "; ".join(ways_to_fit(model, world_size, replicate, device_gib,
                                                          options)))
     lines.append(f"({NOT_COUNTED}.)")
     return "\n".join(lines)
+
+
+def aligned(header, rows):
+    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
+    figures stay under their heading whatever their size (the last column, words, is not padded;
+    a row of two cells is a remark about its first)."""
+    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
+              for i in range(len(header) - 1)]
+    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
+            for row in (header, *rows)]
 
 
 def ways_to_fit(model, world_size, replicate, device_gib, options):
@@ -1407,14 +1419,15 @@ class Report:
         self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
         return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
-    def training_done(self, model, optimizer):
+    def training_done(self, model, optimizer, trained=True):
+        """Print the training time (not when nothing was left to train) and the memory figures."""
         self.wall_s = time.perf_counter() - self.start
-        if self.cuda:
+        if trained and self.cuda:
             self.cuda[1].record()
             self.cuda[1].synchronize()
             seconds = self.cuda[0].elapsed_time(self.cuda[1]) / 1000
             rank0_print(f"CUDA event elapsed time: {seconds:.3f}sec")
-        else:
+        elif trained:
             rank0_print(f"Wall-clock elapsed time: {self.wall_s:.3f}sec")
         self.state, self.peak = self.memory(model, optimizer)
         rank0_print(f"Peak memory per rank ({'CUDA allocated' if self.cuda else 'process RSS'}): "
@@ -1502,9 +1515,6 @@ def run_worker(args, use_cuda):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Faster exit, not a fix: Python's last collection at exit walks every object torch made
-        # (0.6 s per process, a good part of a short run); frozen, they go with the process.
-        gc.freeze()
         if FAILING:  # Workaround, the same abort: its error line is out, so end now, before
             # the interpreter's teardown, where gloo's threads can still abort it (1 in 5 T5
             # resumes from a corrupted checkpoint kept a DeviceMesh alive; torch 2.14). Remove it
@@ -1536,6 +1546,12 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
                       MASTER_PORT=str(port))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
+    # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
+    # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
+    # exit: one that ends through os._exit (an error line, Ctrl-C) then leaves "resource_tracker:
+    # There appear to be 2 leaked semaphore objects to clean up at shutdown".
+    multiprocessing.set_start_method(None, force=True)
     run_worker(args, use_cuda)
 
 
@@ -1580,7 +1596,6 @@ def launch(args):
     for worker in workers:
         worker.kill()
         worker.join()
-    gc.freeze()  # a faster exit, as in run_worker
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
 
 
@@ -1597,10 +1612,26 @@ def add_run_flags(parser):
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # once, from rank 0, instead of once per torchrun worker
+    """The flags' parser: a bad value is said once, from rank 0, not once per torchrun worker;
+    --help gives each flag's default where it says something (HelpWithDefaults)."""
+
+    def __init__(self, description):
+        super().__init__(description=description, formatter_class=HelpWithDefaults)
+
+    def error(self, message):
         if int(os.environ.get("RANK", "0")) == 0:
             super().error(message)
         fail(message)
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" after a flag's help, but not after a switch (off unless given), a default of
+    None (its help says what happens then) or help that names its default itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def positive(kind, zero=False, most=math.inf):

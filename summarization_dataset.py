@@ -22,7 +22,7 @@ SPLIT_FILES = {"train": "all_train.txt", "validation": "all_val.txt", "test": "a
 DOWNLOAD_HELP = ("download wikihowAll.csv from "
                  "https://ucsb.box.com/s/ap23l8gafpezf4tq3wapr6u8241zz358 (linked from "
                  "https://github.com/mahnazkoupaee/WikiHow-Dataset) into that folder, or pass "
-                 "--data-dir; README.md, 'Getting the data', has the commands")
+                 "--data-dir; README.md, 'Data', has the commands")
 
 
 class WikiHowError(ValueError):

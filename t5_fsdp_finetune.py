@@ -16,7 +16,7 @@ FSDP2 (fully_shard), which fsdp2_transformer.py teaches.
     python t5_fsdp_finetune.py --cpu --model-name tiny-t5 --data-dir tiny-data --input-length 64 \\
         --output-length 24 --num-train-samples 64 --num-val-samples 31    # the tests' fixtures
 
-Data: wikihowAll.csv in --data-dir (README.md, "Getting the data"), read by
+Data: wikihowAll.csv in --data-dir (README.md, "Data"), read by
 summarization_dataset.py. CUDA + NCCL when a GPU is visible, else CPU + gloo. The Safeguards
 (checks, workarounds) and the Plumbing (the same in all four scripts) after it are not the lesson.
 """
@@ -295,7 +295,7 @@ def main(args, device):
     state = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, scaler) \
         if checkpoint else {"epoch": 0, "best_val_loss": None, "best_checkpoint": None,
                             "train_losses": [], "val_losses": []}
-    check_before_training(args, state)  # epochs left; --save-dir writable, locked, ours
+    check_before_training(args)  # --save-dir writable and locked; --overwrite
 
     # 5. Per epoch: train, validate, step the learning rate, save the best model and a checkpoint.
     run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
@@ -323,8 +323,8 @@ def main(args, device):
         if args.save_model and args.checkpoint_type == "sharded":
             state.update(epoch=epoch, scheduler=scheduler.state_dict(),
                          scaler=scaler.state_dict() if scaler else None)
-            save_sharded_checkpoint(model, optimizer, state,
-                                    os.path.join(args.save_dir, f"checkpoint-epoch-{epoch}"))
+            save_sharded_checkpoint(model, optimizer, state, os.path.join(
+                os.path.abspath(args.save_dir), f"checkpoint-epoch-{epoch}"))
         report.lap()
 
     # 6. Report: throughput, time, memory, and the metrics file.
@@ -343,8 +343,7 @@ def main(args, device):
 
 def parse_args():
     parser = RankZeroArgumentParser(
-        description="PyTorch T5 FSDP fine-tuning example (WikiHow summarization)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description="PyTorch T5 FSDP fine-tuning example (WikiHow summarization)")
     on_off = argparse.BooleanOptionalAction
     add = parser.add_argument_group("model").add_argument
     add("--model-name", default="t5-base", help="hub id or save_pretrained directory of a T5")
@@ -467,8 +466,8 @@ MEMORY_ADVICE = ("use a smaller --batch-size, --test-batch-size, --input-length 
 def check_flags(args, device, world_size):
     """The checks that need no process group, which the plumbing runs in each process before it
     starts one: flag combinations, then the local inputs, so that what is missing (data, model
-    directory) is said in one line at once, before the hub is tried (its retries take 30 s).
-    Those that need the ranks: find_resumable and check_before_training."""
+    directory) is said in one line at once, before the hub is tried (its retries take 30 s);
+    then what --resume and --save-dir hold. Those that need the ranks: check_before_training."""
     if args.checkpoint_type == "sharded" and not args.save_model:
         fail("--checkpoint-type sharded writes checkpoints; --no-save-model turns them off")
     if args.resume == "auto" and args.checkpoint_type != "sharded":
@@ -491,6 +490,47 @@ def check_flags(args, device, world_size):
     if os.path.isdir(name) and (problem := model_folder_problem(name)):
         fail(f"cannot load a T5 model and tokenizer from the directory {name} ({problem}); pass "
              "--model-name with a directory written by save_pretrained, or a hub id")
+    problem = checkpoint_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
+                                 sharded=args.save_model and args.checkpoint_type == "sharded")
+    if problem:
+        fail(problem)
+
+
+def checkpoint_problem(resume, save_dir, epochs, overwrite, sharded):
+    """Why the checkpoint --resume names (auto: the newest in --save-dir) cannot be resumed, or
+    why --save-dir, without --resume, must not be written into; None if nothing is wrong. Read
+    from the files alone, before a model is loaded: a resumed run must have epochs left, and a new
+    run must not leave its checkpoints beside an earlier run's, which a later --resume auto would
+    take for its own (--overwrite deletes them, the Hugging Face convention)."""
+    if resume is None:
+        old = sorted(glob.glob(os.path.join(save_dir, "checkpoint-epoch-*")))
+        if not (sharded and old) or overwrite:
+            return None
+        return (f"--save-dir {save_dir} holds sharded checkpoints of an earlier run "
+                f"({os.path.basename(old[-1])}...), which a later --resume would mix with this "
+                "run's; add --resume auto to continue it, --overwrite to delete them, or pass "
+                "another --save-dir")
+    checkpoint = find_checkpoint(save_dir if resume == "auto" else resume)
+    if checkpoint is None:
+        return None if resume == "auto" else (
+            f"--resume {resume}: no complete checkpoint of this script there (a directory with "
+            f"{TRAINER_STATE}, or one holding checkpoint-epoch-N directories; *.tmp ones are "
+            "incomplete)")
+    checkpoint = os.path.abspath(checkpoint)
+    try:
+        with open(os.path.join(checkpoint, TRAINER_STATE)) as f:
+            epoch = json.load(f).get("epoch")
+    except (OSError, ValueError, AttributeError) as e:
+        return (f"--resume {checkpoint}: cannot load it ({one_line(e)}); it is corrupted, or was "
+                "saved for another model")
+    folder = re.fullmatch(r"checkpoint-epoch-(\d+)", os.path.basename(checkpoint))
+    if not (isinstance(epoch, int) and epoch >= 1) or (folder and int(folder[1]) != epoch):
+        return (f"--resume {checkpoint}: cannot load it (its {TRAINER_STATE} says epoch "
+                f"{epoch!r}, not its folder's); it is corrupted, or was saved for another model")
+    if epoch >= epochs:
+        return (f"--resume: the checkpoint {checkpoint} has finished epoch {epoch} of --epochs "
+                f"{epochs}; raise --epochs to train further")
+    return None
 
 
 def model_folder_problem(name):
@@ -599,12 +639,13 @@ def quiet_known_warnings():
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     # FSDP1's optimizer state-dict code calls a torch-internal helper that warns about its own
     # deprecation (_get_pg_default_device, and its "Multiple backends are registered").
-    # FSDP1 under NO_SHARD warns at every sharded state_dict that it returns a full state dict.
+    # FSDP1 under NO_SHARD warns at every sharded state dict, saved or loaded, that it returns a
+    # full one (when loaded, torch 2.14 and 2.15 spell it "willbe": hence " ?").
     # FSDP1 deprecates NO_SHARD in favour of DistributedDataParallel, with a FutureWarning per
     # FSDP unit; the strategy works and is the tutorial's (and what one process falls back to):
     # remove this filter when torch removes NO_SHARD, and the choice from --sharding-strategy.
     warnings.filterwarnings("ignore", message=r".*(_get_pg_default_device|Multiple backends are "
-                            r"registered|full_state_dict will be returned|The `NO_SHARD` sharding "
+                            r"registered|full_state_dict will ?be returned|The `NO_SHARD` sharding "
                             r"strategy is deprecated)")
 
 
@@ -765,41 +806,20 @@ def find_checkpoint(path):
 
 def find_resumable(resume, save_dir):
     """The complete sharded checkpoint to resume from (--resume DIR, or auto: the newest in
-    --save-dir), checked: its trainer state is readable and of its folder's epoch. None to start
-    afresh."""
-    path = resume
-    if path == "auto":  # the newest complete checkpoint of --save-dir, if there is one yet
-        box = [find_checkpoint(save_dir) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
-        if not path:
-            rank0_print(f"No checkpoint in {os.path.abspath(save_dir)} yet: starting from epoch 1")
-    if not path:
-        return None
-    checkpoint = find_checkpoint(path) if os.path.isdir(path) else None
-    agree_on_error(None if checkpoint else (
-        f"--resume {path}: no complete checkpoint there (a directory with {TRAINER_STATE}, or one "
-        "holding checkpoint-epoch-N directories; *.tmp ones are incomplete)"))
-    with checkpoint_errors(checkpoint):
-        with open(os.path.join(checkpoint, TRAINER_STATE)) as f:
-            state = json.load(f)
-        folder = re.fullmatch(r"checkpoint-epoch-(\d+)", os.path.basename(checkpoint))
-        if not (isinstance(state.get("epoch"), int) and state["epoch"] >= 1) or (
-                folder and int(folder.group(1)) != state["epoch"]):
-            raise ValueError(f"its {TRAINER_STATE} says epoch {state.get('epoch')!r}, not its "
-                             "folder's")
-    return checkpoint
+    --save-dir), as rank 0 finds it, on every rank; None to start afresh. check_flags has checked
+    it (checkpoint_problem)."""
+    box = [find_checkpoint(save_dir if resume == "auto" else resume)
+           if resume and dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if resume == "auto" and not box[0]:
+        rank0_print(f"No checkpoint in {os.path.abspath(save_dir)} yet: starting from epoch 1")
+    return box[0] and os.path.abspath(box[0])
 
 
-def check_before_training(args, state):
-    """A resumed run has epochs left to train. Then --save-dir is checked, and made, only once the
-    inputs are: bad input leaves nothing behind. With sharded checkpoints, rank 0 locks --save-dir
-    for this job, and without --resume it must hold no older run's checkpoints: a later --resume
-    auto would take that run's later epochs for this run's. --overwrite deletes them first (the
-    Hugging Face convention: refuse a non-empty folder unless told to)."""
-    if state["epoch"] >= args.epochs:
-        fail(f"--resume: the checkpoint has finished epoch {state['epoch']} of --epochs "
-             f"{args.epochs}; raise --epochs to train further")
+def check_before_training(args):
+    """--save-dir is checked, and made, only once the inputs are: bad input leaves nothing behind.
+    With sharded checkpoints, rank 0 locks --save-dir for this job; --overwrite (which
+    checkpoint_problem asked for) deletes an earlier run's checkpoints."""
     check_outputs(args, {"--save-dir": args.save_model and os.path.abspath(args.save_dir)})
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return
@@ -807,11 +827,6 @@ def check_before_training(args, state):
     old = sorted(glob.glob(os.path.join(args.save_dir, "checkpoint-epoch-*")))
     if args.resume or not old:
         return
-    if not args.overwrite:
-        fail(f"--save-dir {args.save_dir} holds sharded checkpoints of an earlier run "
-             f"({os.path.basename(old[-1])}...), which a later --resume would mix with this run's; "
-             "add --resume auto to continue it, --overwrite to delete them, or pass another "
-             "--save-dir")
     dist.barrier()  # everyone has seen them before rank 0 deletes them
     if dist.get_rank() == 0:
         for path in old:
@@ -958,12 +973,11 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
     lines += [f"  {name:<48}{value / scale:10.2f}" for name, value in rows]
     lines.append(f"  {'fits one device of (GiB)':<48}{device_gib:10.2f}  "
                  + ("yes" if plan["fits"] else "NO"))
-    lines.append(f"ranks | training state | peak | fits ({unit} per rank, one node)")
     by_ranks = {ranks: memory_plan(model, ranks, ranks, **options) for ranks in PLAN_RANKS}
-    for ranks, row in by_ranks.items():
-        lines.append(f"{ranks:5} | {row['train_state_bytes'] / scale:14.2f} | "
-                     f"{row['peak_bytes'] / scale:6.2f} | "
-                     + ("yes" if row["peak_bytes"] <= device_gib * gib else "no"))
+    lines += aligned(["ranks", "training state", "peak", f"fits ({unit} per rank, one node)"], [
+        [str(ranks), f"{row['train_state_bytes'] / scale:.2f}", f"{row['peak_bytes'] / scale:.2f}",
+         "yes" if row["peak_bytes"] <= device_gib * gib else "no"]
+        for ranks, row in by_ranks.items()])
     if not plan["fits"]:
         ways = []
         for name, change in (("--activation-checkpointing", {"activation_checkpointing": True}),
@@ -979,6 +993,16 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
         lines.append("To fit: " + ("; ".join(ways) or "combine these, or a smaller model"))
     lines.append(f"({NOT_COUNTED}.)")
     return "\n".join(lines)
+
+
+def aligned(header, rows):
+    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
+    figures stay under their heading whatever their size (the last column, words, is not padded;
+    a row of two cells is a remark about its first)."""
+    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
+              for i in range(len(header) - 1)]
+    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
+            for row in (header, *rows)]
 
 
 # ==================================================================================================
@@ -1177,14 +1201,15 @@ class Report:
         self.peaks = [int(rank[1]) for rank in ranks]  # per rank, for --metrics-json
         return int(max(rank[0] for rank in ranks)), max(self.peaks)
 
-    def training_done(self, model, optimizer):
+    def training_done(self, model, optimizer, trained=True):
+        """Print the training time (not when nothing was left to train) and the memory figures."""
         self.wall_s = time.perf_counter() - self.start
-        if self.cuda:
+        if trained and self.cuda:
             self.cuda[1].record()
             self.cuda[1].synchronize()
             seconds = self.cuda[0].elapsed_time(self.cuda[1]) / 1000
             rank0_print(f"CUDA event elapsed time: {seconds:.3f}sec")
-        else:
+        elif trained:
             rank0_print(f"Wall-clock elapsed time: {self.wall_s:.3f}sec")
         self.state, self.peak = self.memory(model, optimizer)
         rank0_print(f"Peak memory per rank ({'CUDA allocated' if self.cuda else 'process RSS'}): "
@@ -1272,9 +1297,6 @@ def run_worker(args, use_cuda):
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
-        # Faster exit, not a fix: Python's last collection at exit walks every object torch made
-        # (0.6 s per process, a good part of a short run); frozen, they go with the process.
-        gc.freeze()
         if FAILING:  # Workaround, the same abort: its error line is out, so end now, before
             # the interpreter's teardown, where gloo's threads can still abort it (1 in 5 T5
             # resumes from a corrupted checkpoint kept a DeviceMesh alive; torch 2.14). Remove it
@@ -1306,6 +1328,12 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
                       MASTER_PORT=str(port))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
+    # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
+    # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
+    # exit: one that ends through os._exit (an error line, Ctrl-C) then leaves "resource_tracker:
+    # There appear to be 2 leaked semaphore objects to clean up at shutdown".
+    multiprocessing.set_start_method(None, force=True)
     run_worker(args, use_cuda)
 
 
@@ -1350,7 +1378,6 @@ def launch(args):
     for worker in workers:
         worker.kill()
         worker.join()
-    gc.freeze()  # a faster exit, as in run_worker
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
 
 
@@ -1367,10 +1394,26 @@ def add_run_flags(parser):
 
 
 class RankZeroArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # once, from rank 0, instead of once per torchrun worker
+    """The flags' parser: a bad value is said once, from rank 0, not once per torchrun worker;
+    --help gives each flag's default where it says something (HelpWithDefaults)."""
+
+    def __init__(self, description):
+        super().__init__(description=description, formatter_class=HelpWithDefaults)
+
+    def error(self, message):
         if int(os.environ.get("RANK", "0")) == 0:
             super().error(message)
         fail(message)
+
+
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """"(default: X)" after a flag's help, but not after a switch (off unless given), a default of
+    None (its help says what happens then) or help that names its default itself."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def positive(kind, zero=False, most=math.inf):

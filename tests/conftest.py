@@ -139,8 +139,11 @@ class Run:
 
 
 def warning_lines(output):
-    """The lines of a run's output that speak of a Python warning (default commands print none)."""
-    return [line for line in output.splitlines() if "Warning" in line]
+    """The lines of a run's output that speak of a Python warning or of leaks reported at exit
+    (multiprocessing's resource tracker, nanobind's as in triton >= 3.9): default commands print
+    none."""
+    return [line for line in output.splitlines()
+            if "Warning" in line or "leaked" in line or "nanobind" in line]
 
 
 def single_error_line(run):
@@ -177,9 +180,9 @@ def run_command(command, cwd, timeout, env=None):
 
 
 # `python -m torch.distributed.run`, with one difference that only makes it exit sooner: it freezes
-# its objects at exit, as the scripts' workers do (gc.freeze in run_worker), so that Python's last
-# garbage collection does not walk every object torch made: 0.4-0.5 s less per launch, about a
-# minute over the suite.
+# its objects at exit, so that Python's last garbage collection does not walk every object torch
+# made: 0.4-0.5 s less per launch, about a minute over the suite. (The scripts do not: a frozen
+# object is never freed, which triton >= 3.9, imported by torch's optimizers, reports as a leak.)
 TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy, sys; atexit.register(gc.freeze); "
             "sys.argv[0] = 'torchrun'; "
             "runpy.run_module('torch.distributed.run', run_name='__main__')"]

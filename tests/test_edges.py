@@ -235,3 +235,22 @@ def test_mnist_interrupted_says_it_starts_over(tmp_path, mnist_dir):
     assert "interrupted by SIGINT; MNIST runs keep no checkpoint: a rerun starts from epoch 1" in (
         stderr.splitlines()), stderr
     assert stderr.count("Traceback") == 1 and processes_left(tmp_path) == []
+
+
+def test_t5_interrupted_under_python_says_where_to_resume(tmp_path, tiny_t5_dir, wikihow_dir):
+    """Ctrl-C of `python t5_fsdp_finetune.py` after its first sharded checkpoint: one line naming
+    it, the exit status of SIGINT, and no other output on stderr than the progress bars (no
+    resource-tracker report of leaked semaphores: the workers end through os._exit)."""
+    command = [sys.executable, REPO / "t5_fsdp_finetune.py",
+               *t5_args(tiny_t5_dir, wikihow_dir, 1000), "--checkpoint-type", "sharded",
+               "--save-dir", "ckpt", "--cpu"]
+    status, stdout, stderr = interrupt_after(start(tmp_path, command), tmp_path,
+                                             "Saved sharded checkpoint", signal.SIGINT)
+    assert status == 128 + signal.SIGINT, stderr
+    bars = re.compile(r"(r0 Training|Validation) Epoch")  # each loop's final progress bar
+    said = [line for line in stderr.splitlines() if not bars.match(line)]
+    assert len(said) == 1 and re.fullmatch(
+        r"interrupted by SIGINT in (Training Epoch \d+|Validation Epoch); a rerun with --resume "
+        rf"auto continues from {re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\d+",
+        said[0]), stderr
+    assert processes_left(tmp_path) == []

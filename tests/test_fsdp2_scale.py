@@ -126,7 +126,7 @@ def test_hsdp_on_one_node_replicates_and_matches_one_process(fsdp2_run):
     one = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--cpu", nproc=1).metrics
     hsdp = fsdp2_run(*FSDP2_TINY, "--steps", 20, "--replicate-degree", 2, "--checkpoint-dir",
                      "ckpt", "--checkpoint-format", "sharded", "--save-every", 10)
-    assert "replicated over 2 and sharded Shard(0) over 1 ranks (HSDP)" in hsdp.stdout
+    assert "replicated over 2 ranks and sharded Shard(0) over 1 rank (HSDP)" in hsdp.stdout
     assert hsdp.metrics["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert hsdp.metrics["train_state_bytes"] == one["train_state_bytes"]
     assert (hsdp.cwd / "ckpt" / "step_000020" / "COMPLETE").exists()

@@ -218,3 +218,36 @@ def test_the_lock_meets_the_floors():
             requirement = Requirement(line)
             pinned = pins.get(canonicalize_name(requirement.name))
             assert pinned and requirement.specifier.contains(pinned), (line, pinned)
+
+
+def test_the_readme_sections_the_code_cites_exist():
+    """A message or docstring that sends the reader to a README section ("README.md, 'Data'") names
+    a heading the README has (an error pointed to "Getting the data", which it had not)."""
+    headings = {line.lstrip("#").strip() for line in (REPO / "README.md").read_text().splitlines()
+                if line.startswith("#")}
+    cited = {}
+    for path in [*REPO.glob("*.py"), *REPO.glob("benchmarks/*.py")]:
+        for section in re.findall(r"README\.md, [\"']([^\"']+)[\"']", path.read_text()):
+            cited.setdefault(section, []).append(path.name)
+    assert cited, "no citation found: the pattern no longer matches how the code cites"
+    assert {s: files for s, files in cited.items() if s not in headings} == {}
+
+
+@pytest.mark.parametrize("script", LESSONS)
+def test_help_gives_a_default_only_where_it_says_something(help_text, script):
+    """No "(default: None)" or "(default: False)" (a switch is off unless given), and no default
+    said twice; the defaults of valued flags are still there."""
+    text = help_text(script)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert not re.search(r"\(default[^()]*(\([^()]*\))?[^()]*\) \(default: ", text), text
+    assert "(default: 600)" in text  # --dist-timeout, in every script
+
+
+@pytest.mark.parametrize("helper", ["digits_mnist.py", "tiny_wikihow.py"])
+def test_the_helper_scripts_explain_themselves(tmp_path, helper):
+    """`python tests/<helper> --help` (the README's offline data) prints its usage and exits 0,
+    writing nothing (digits_mnist.py made a folder named --help)."""
+    run = subprocess.run([sys.executable, REPO / "tests" / helper, "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("usage:"), run.stderr
+    assert "data_dir" in run.stdout and list(tmp_path.iterdir()) == []

@@ -163,6 +163,51 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(t5_reference, torchr
     assert run.metrics["val_losses"] == t5_reference.metrics["val_losses"]
 
 
+def test_a_resume_on_one_process_prints_no_warning(t5_reference, torchrun, tiny_t5_dir,
+                                                   wikihow_dir):
+    """The 2-rank epoch-2 checkpoint resumed by one process, under NO_SHARD: loading a sharded
+    state dict there makes FSDP1 warn that it returns a full one, which the script filters. The
+    checkpoints' paths are printed absolute, as every other path."""
+    epoch_2 = t5_reference.cwd / "checkpoint-epoch-2"
+    assert f"Saved sharded checkpoint {t5_reference.cwd / 'checkpoint-epoch-1'}" in (
+        t5_reference.stdout.splitlines())
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3), "--resume", epoch_2,
+                   "--no-save-model", nproc=1)
+    assert run.returncode == 0, run.output
+    assert f"Resumed from {epoch_2} (epoch 2 done)" in run.stdout.splitlines()
+    assert warning_lines(run.output) == []
+
+
+def test_what_a_run_would_write_over_is_refused_before_the_model_loads(
+        t5_reference, fsdp2_reference, tiny_t5_dir, wikihow_dir, tmp_path):
+    """--save-dir and --resume are checked from their files alone, before any process starts or a
+    model is loaded: each refusal is one line within 5 s of a 2-rank run, with no warning or leak
+    report, and writes nothing. (They came after loading and wrapping the model, ending with the
+    resource tracker's leaked-semaphore warning.)"""
+    earlier_run = tmp_path / "earlier_run"
+    shutil.copytree(t5_reference.cwd / "checkpoint-epoch-1", earlier_run / "checkpoint-epoch-1")
+    epoch_2 = t5_reference.cwd / "checkpoint-epoch-2"
+    cases = [  # the options, and what the line says
+        (["--checkpoint-type", "sharded", "--save-dir", earlier_run],
+         [f"--save-dir {earlier_run} holds sharded checkpoints of an earlier run",
+          "add --resume auto", "--overwrite"]),
+        (["--resume", fsdp2_reference.cwd / "ckpt" / "step_000010"],  # another script's
+         ["step_000010: no complete checkpoint of this script there", "trainer_state.json"]),
+        (["--resume", epoch_2],
+         [f"the checkpoint {epoch_2} has finished epoch 2 of --epochs 2", "raise --epochs"]),
+    ]
+    for options, expected in cases:
+        before = sorted(tmp_path.rglob("*"))
+        start = time.monotonic()
+        run = run_command([sys.executable, REPO / SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2),
+                           "--save-dir", tmp_path / "out", *options], tmp_path, timeout=60)
+        assert run.returncode == 1 and time.monotonic() - start < 5, run.output
+        line = single_error_line(run)
+        assert all(e in line for e in expected), line
+        assert warning_lines(run.output) == [] and "FSDP built" not in run.stdout, run.output
+        assert sorted(tmp_path.rglob("*")) == before
+
+
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_cpu_ram_efficient_loading_trains_the_same(t5_reference, t5_run, tiny_t5_dir, wikihow_dir,
                                                    strategy):
@@ -551,7 +596,7 @@ def incomplete_split_lists(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda tmp_path: tmp_path, ["wikihowAll.csv not found", "ucsb.box.com", "Getting the data"]),
+    (lambda tmp_path: tmp_path, ["wikihowAll.csv not found", "ucsb.box.com", "README.md, 'Data'"]),
     (write_csv_without_headline, ["lacks the column(s) headline", "headline, title, text"]),
     (incomplete_split_lists, ["all_val.txt but not all of", "all_test.txt"]),
 ], ids=["missing csv", "missing columns", "incomplete split lists"])

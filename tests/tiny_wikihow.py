@@ -14,10 +14,10 @@ sentencepiece vocabulary is trained on the fixture text, both written with save_
 transformers 5 builds T5Tokenizer from a vocab=[(piece, score), ...] list, which needs no
 protobuf (loading a bare spiece.model would).
 """
+import argparse
 import csv
 import io
 import random
-import sys
 from pathlib import Path
 
 VERBS = ["Clean", "Paint", "Repair", "Build", "Decorate", "Organize", "Measure", "Polish", "Wrap",
@@ -127,6 +127,9 @@ def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2):
     200 KB of weights; d_model 1024 and 4 layers: 322 MB, enough to show in a process's memory.)"""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar, in a log
 
     lines = [line for title, headline, text in articles()
              for line in (title, *headline.split("\n"), text) if line]
@@ -144,8 +147,13 @@ def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(f"usage: python {sys.argv[0]} DATA_DIR MODEL_DIR")
-    data, model = write_wikihow(sys.argv[1]), write_tiny_t5(sys.argv[2])
+    parser = argparse.ArgumentParser(description="Write a WikiHow-format data folder and a tiny T5 "
+                                     "model directory, offline (see the README).")
+    parser.add_argument("data_dir", help="folder for wikihowAll.csv and the split lists "
+                        "(t5_fsdp_finetune.py --data-dir)")
+    parser.add_argument("model_dir", help="folder for the tiny T5 and its tokenizer "
+                        "(t5_fsdp_finetune.py --model-name)")
+    args = parser.parse_args()
+    data, model = write_wikihow(args.data_dir), write_tiny_t5(args.model_dir)
     print(f"wrote {data / 'wikihowAll.csv'} (+ split lists) "
           f"and the tiny T5 model and tokenizer in {model}")
