@@ -451,7 +451,7 @@ def resume_hint(args):
     """Where a rerun resumes: the plumbing says it when Ctrl-C or SIGTERM stops the run."""
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return "no resumable checkpoints (--checkpoint-type full): a rerun starts from epoch 1"
-    newest = find_checkpoint(args.save_dir)
+    newest = find_checkpoint(os.path.abspath(args.save_dir))
     if newest is None:
         return f"no complete checkpoint in --save-dir {args.save_dir} yet: a rerun starts afresh"
     return f"a rerun with --resume auto continues from {newest}"
