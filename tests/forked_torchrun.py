@@ -20,6 +20,7 @@ Tests that signal a launcher (test_edges) start TORCHRUN as a command: everythin
 process. This module stays small: each forked agent imports it.
 """
 import ast
+import atexit
 import importlib
 import io
 import multiprocessing
@@ -345,6 +346,7 @@ def imported_by(path, seen):
 def run_worker(request, printed):
     """In the forked worker: what `python -u script args` does with torchrun's environment."""
     args, env, cwd = request
+    atexit.register(unfreeze_for_nanobind)
     os.setsid()  # as torchrun starts it: it signals the worker's process group
     os.chdir(cwd)
     os.environ.clear()
@@ -369,6 +371,21 @@ def run_worker(request, printed):
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     exec(compile(Path(script).read_bytes(), script, "exec"), main.__dict__)
+
+
+def unfreeze_for_nanobind():
+    """At exit, as a new Python: the objects the server froze (gc.freeze) are never freed, and an
+    extension built with nanobind (triton >= 3.9, which transformers and torchvision import)
+    reports each of its objects still alive when Python ends as a leak, which a new Python would
+    have freed. Then they are unfrozen, and the last collection frees them (0.9 s of CPU, which
+    the freeze saves otherwise). nanobind's classes are instances of its metaclass, whose module
+    is "nanobind" (type() only: an attribute read can warn)."""
+    import gc
+    for module in list(sys.modules.values()):
+        values = list(getattr(module, "__dict__", {}).values())  # sys.modules may hold None
+        if any(type(value).__module__ == "nanobind" for value in values):
+            gc.unfreeze()
+            return
 
 
 if __name__ == "__main__":

@@ -160,8 +160,8 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
         stop(agent)
     assert agent.returncode == 0, stderr
     assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
-    # "./": --save-dir defaults to .
-    assert f"Resumed from ./checkpoint-epoch-{max(epochs)} (epoch {max(epochs)} done)" in stdout
+    resumed = tmp_path / f"checkpoint-epoch-{max(epochs)}"  # --save-dir defaults to .
+    assert f"Resumed from {resumed} (epoch {max(epochs)} done)" in stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["val_losses"] == t5_reference.metrics["val_losses"][:2]
     final = torch.load(metrics["checkpoint_pt"], weights_only=True)  # the best model: epoch 2's
