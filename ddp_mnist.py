@@ -71,11 +71,10 @@ def train(model, device, loader, optimizer, epoch, dry_run):
     model.train()
     loader.sampler.set_epoch(epoch)
     totals = torch.zeros(2, device=device)  # summed loss, samples
-    for batch, (data, target) in enumerate(loader, 1):
+    for data, target in loader:
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         loss = F.nll_loss(model(data), target, reduction="sum")
-        stop_if_diverged(f"the loss of epoch {epoch}, batch {batch}", [loss], DIVERGED)
         loss.backward()
         optimizer.step()
         totals += torch.stack([loss.detach(), torch.tensor(len(data), device=device)])
@@ -114,23 +113,21 @@ def test(model, device, loader, dry_run):
 # ------------------------------------------------------------------------------------ checkpoint
 def save_model(model, path="mnist_cnn.pt"):
     """Save the state dict from rank 0: it loads into a plain Net()."""
-    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
     # The same call as under FSDP; here it drops DDP's "module." prefix and copies to the CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state, path = get_model_state_dict(model, options=options), os.path.abspath(path)
-    with saving(path, state, "run it in another folder"):  # space checked; errors: one line
-        if dist.get_rank() == 0:
-            torch.save(state, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
-            rank0_print(f"Saved {path}")
-    return path
+    state = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # no reader ever sees a half-written file
+        rank0_print(f"Saved {os.path.abspath(path)}")
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
     # 1. Seed, and check the outputs before any work.
     torch.manual_seed(args.seed)
-    check_outputs(args, {}, {"--save-model": args.save_model and "mnist_cnn.pt"})
+    checkpoint = os.path.abspath("mnist_cnn.pt") if args.save_model else None
+    check_outputs(args, {}, {"--save-model": checkpoint})
     # 2. Data: every rank reads its own part of each set (DistributedSampler).
     train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # one-line errors
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
@@ -147,12 +144,16 @@ def main(args, device):
     report, train_losses = Report(args, device), []
     for epoch in range(1, args.epochs + 1):
         train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
+        stop_if_diverged(f"the loss of epoch {epoch}", [torch.tensor(train_losses[-1])], DIVERGED)
         test_loss, accuracy = test(model, device, test_loader, args.dry_run)
         scheduler.step()
         report.lap()
     report.training_done(model, optimizer)  # the last step's gradients are still held
-    # 6. Save the full state dict (rank 0) and the metrics.
-    checkpoint = save_model(model) if args.save_model else None
+    # 6. Save the full state dict (rank 0): never a diverged model, and not beyond the free space.
+    if checkpoint:
+        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
+        with saving(checkpoint, state_bytes(model.module.state_dict()), "run it in another folder"):
+            save_model(model, checkpoint)
     report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint)
 
@@ -179,14 +180,13 @@ def parse_args():
 
 
 # ==================================================================================================
-# Safeguards: this script's own checks and one-line errors (its MNIST files, their download). The
-# lesson calls each in one line; they are not part of it.
+# Safeguards: this script's own checks and one-line errors (its MNIST files, their download), not
+# part of the lesson: main applies them around the lesson's calls.
 # ==================================================================================================
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
 import contextlib
 import datetime
 import errno
-import fcntl
 import gc
 import glob
 import json
@@ -274,21 +274,6 @@ def mnist_problem(dataset):
     return None
 
 
-def local_rank_zero_first(load):
-    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
-    caches are written once per node. A ValueError on any rank stops every rank with its text."""
-    result = None
-    for first in (True, False):
-        error = None
-        if (os.environ["LOCAL_RANK"] == "0") == first:
-            try:
-                result = load()
-            except ValueError as e:
-                error = str(e)
-        agree_on_error(error)
-    return result
-
-
 def idx_problem(path):
     """Why path is not a complete IDX file (MNIST's format), or None."""
     with open(path, "rb") as f:  # it exists: torchvision would have downloaded it otherwise
@@ -302,12 +287,12 @@ def idx_problem(path):
 
 
 # ==================================================================================================
-# Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
-# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
-# input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
-# metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's check_flags(args, device, world_size), main(args, device), parse_args() and
-# resume_hint(args), and quotes its MEMORY_ADVICE.
+# Plumbing, not part of the lesson: what the four scripts share, each function the same, byte for
+# byte, in every script that uses it (tests/test_layout.py): rank-0 printing, one error line
+# instead of a traceback per rank (bad input, a full disk, a lost peer, Ctrl-C), output checks,
+# time and memory figures, the metrics file, process-group set-up, launching, the flags every
+# script has. It calls the script's check_flags(args, device, world_size), main(args, device),
+# parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -328,6 +313,8 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
+
+
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
@@ -360,26 +347,6 @@ def check_outputs(args, folders, files=None):
     agree_on_error(error)
 
 
-def lock_folder(flag, folder):
-    """Rank 0 holds an exclusive lock on the folder until its process ends, so that a second job
-    (a double launch, a requeue) cannot write into the same folder; the kernel releases the lock
-    of a job that died, so a crash never leaves it stuck. It writes no file."""
-    error = None
-    if dist.get_rank() == 0:
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            HELD_LOCKS.append(descriptor)  # the lock lasts as long as the descriptor is open
-        except OSError:
-            os.close(descriptor)
-            error = (f"{flag} {folder} is in use by another job, which holds its lock; wait for it "
-                     f"to end, or pass another {flag}")
-    agree_on_error(error)
-
-
-HELD_LOCKS = []
-
-
 def space_problem(folder, needed, elsewhere):
     """Why folder's filesystem cannot take `needed` more bytes (and 1 MiB to spare), or None:
     checked before a save, so that a full disk stops the run before it writes anything.
@@ -393,12 +360,11 @@ def space_problem(folder, needed, elsewhere):
 
 
 @contextlib.contextmanager
-def saving(path, state, elsewhere, copies=1, sharded=False):
-    """Around a save of state (a state dict, nested) to path, written `copies` times: first the
-    free space is checked (by rank 0; with sharded, where every rank writes its shards, by each
-    node's local rank 0 for its ranks' shards); then a failed write (a full disk, an I/O error)
-    stops every rank with one line, and the half-written path*.tmp are removed."""
-    needed = copies * state_bytes(state)
+def saving(path, needed, elsewhere, sharded=False):
+    """Around a save to path of `needed` bytes (rank 0's; with sharded, every rank's own shards):
+    first the free space is checked (by rank 0; sharded, by each node's local rank 0 for its
+    ranks' bytes); then a failed write (a full disk, an I/O error) stops every rank with one line,
+    and the half-written path*.tmp are removed."""
     if sharded:
         sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         dist.all_gather_object(sizes, needed)
@@ -433,11 +399,9 @@ def state_bytes(state):
 
 def write_problem(error, path, elsewhere):
     """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
-    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or a DCP
-    CheckpointException, which wraps each failed rank's exception and traceback: its root
-    cause's type and first sentence."""
-    failures = getattr(error, "failures", None)  # a CheckpointException
-    cause = next(iter(failures.values()))[0] if failures else error
+    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or the
+    root cause of a DCP CheckpointException: its type and first sentence."""
+    cause = root_cause(error)
     text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
     if not isinstance(cause, (OSError, RuntimeError)) or isinstance(
             cause, (dist.DistError, torch.OutOfMemoryError)) or re.search(
@@ -451,6 +415,28 @@ def write_problem(error, path, elsewhere):
         reason = f"{type(cause).__name__}: {text.split('. ')[0][:200]}"
     return (f"cannot write {path} ({reason}; {free / 2**20:,.1f} MiB free in {folder}); free "
             f"space there, or {elsewhere}")
+
+
+def root_cause(error):
+    """The exception behind a DCP CheckpointException (which holds each failed rank's exception
+    with its traceback), or the error itself."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
+
+
+def local_rank_zero_first(load):
+    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
+    caches are written once per node. A ValueError on any rank stops every rank with its text."""
+    result = None
+    for first in (True, False):
+        error = None
+        if (os.environ["LOCAL_RANK"] == "0") == first:
+            try:
+                result = load()
+            except ValueError as e:
+                error = str(e)
+        agree_on_error(error)
+    return result
 
 
 def stop_if_diverged(where, tensors, advice):
@@ -729,7 +715,6 @@ def positive(kind, zero=False, most=math.inf):
         return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
-
 
 if __name__ == "__main__":
     launch(parse_args())

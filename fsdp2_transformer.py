@@ -5,20 +5,23 @@ the root, to_empty + reset_parameters, optimizer after sharding - with the guide
 torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, activation checkpointing, compile).
 Read shard_model() (the FSDP2 part), train_step(), Checkpointer (the checkpoint calls) and main()
 (the recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
+Each of these runs when copied alone with the imports below (and rank0_print, from the bottom).
 
     python fsdp2_transformer.py                      # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
     torchrun --nproc_per_node 8 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt \\
         --checkpoint-format sharded --async-checkpoint
 
-CUDA + NCCL when a GPU is visible, else CPU + gloo. --batch-size is the global batch: every world
-size trains on the same data. Below the "Safeguards" fence: this script's checks, checkpoint
-markers, figures and workarounds; below "Plumbing": the same in all four scripts.
+CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
+every world size. Below the lesson: Safeguards, which main applies around it, and Plumbing.
 """
-import argparse
 import functools
+import glob
+import json
 import math
 import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -102,10 +105,11 @@ class Transformer(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
-            # Activation checkpointing keeps only x, and recomputes the block in backward.
-            x = checkpoint(layer, x, use_reentrant=False) if self.activation_checkpointing else (
-                layer(x))
-        return output_logits(self.norm(x), self.output)
+            if self.activation_checkpointing:  # keep only x; recompute the block in backward
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return self.output(self.norm(x))
 
     def reset_parameters(self):
         """Initialize every parameter, the blocks' included: all submodules, in model order."""
@@ -119,13 +123,10 @@ class Transformer(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ data
-NUM_RULES = 4  # hidden permutations of the synthetic task
-
-
-def task_rules(vocab_size, seed):
-    """The task's NUM_RULES hidden permutations of the vocabulary, fixed by the seed."""
+def task_rules(vocab_size, seed, count=4):
+    """The synthetic task's count hidden permutations of the vocabulary, fixed by the seed."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(vocab_size, generator=generator) for _ in range(NUM_RULES)])
+    return torch.stack([torch.randperm(vocab_size, generator=generator) for _ in range(count)])
 
 
 def global_batch(rules, step, batch_size, seq_len, seed):
@@ -133,7 +134,7 @@ def global_batch(rules, step, batch_size, seq_len, seed):
     rule from a random start token, x[t+1] = rule[x[t]]. After the first token, a model that works
     out the rule from the previous pair (attention) predicts exactly; a bigram stays at ln 4."""
     generator = torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
-    rule = rules[torch.randint(NUM_RULES, (batch_size,), generator=generator)]
+    rule = rules[torch.randint(len(rules), (batch_size,), generator=generator)]
     tokens = torch.empty(batch_size, seq_len + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(rules.shape[1], (batch_size,), generator=generator)
     for t in range(seq_len):
@@ -149,7 +150,7 @@ def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step):
 
 
 # ----------------------------------------------------------------------------------------- FSDP2
-def shard_model(config, device, mesh, reshard_after_forward=True, mixed_precision=False,
+def shard_model(config, device, mesh, *, reshard_after_forward=True, mixed_precision=False,
                 cpu_offload=False, compile=False, activation_checkpointing=False, prefetch=0):
     """Build on the meta device (no memory), fully_shard each block and then the root, then
     materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a 2-D
@@ -178,33 +179,6 @@ def shard_model(config, device, mesh, reshard_after_forward=True, mixed_precisio
     return model
 
 
-def check_sharding(model, mixed_precision):
-    """What fully_shard built, checked with public calls: every parameter a float32 DTensor sharded
-    Shard(0) (HSDP: replicated over mesh dimension 0), unsharded to bf16 under mixed precision."""
-    params = list(model.parameters())
-    mesh = params[0].device_mesh
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
-               for p in params):
-        fail(f"fully_shard did not turn every parameter into a float32 DTensor {placements}")
-    ranks = [f"{n} rank{'s' * (n != 1)}" for n in mesh.shape]
-    layout = f"sharded Shard(0) over {ranks[0]}" if mesh.ndim == 1 else (
-        f"replicated over {ranks[0]} and sharded Shard(0) over {ranks[1]} (HSDP)")
-    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
-                f"float32 DTensors {layout}; rank 0 holds "
-                f"{sum(p.to_local().numel() for p in params):,} values")
-    if mixed_precision:
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.unshard()
-        dtypes = {p.dtype for p in model.parameters()}
-        for unit in units:
-            unit.reshard()
-        if dtypes != {torch.bfloat16}:
-            fail(f"unsharded parameters are {dtypes}, not bfloat16, under --mixed-precision")
-        rank0_print("Unsharded parameters are bfloat16 (gradients are reduced in float32)")
-
-
 # ------------------------------------------------------------------------------------------ step
 def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
     """One optimizer step on this rank's rows of the global batch. Returns the loss summed over
@@ -231,65 +205,98 @@ def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
 
 
 # ------------------------------------------------------------------------------------ checkpoint
-class Checkpointer:
-    """Saves model and optimizer state as <folder>/step_000050/; resumes from the newest. full:
-    rank 0 gathers the whole state (DTensor API, or DCP's state-dict API with --dcp-api) and writes
-    model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes only
-    its shards with dcp.save; asynchronously, they are copied to host memory and written in the
-    background while training goes on. Both resume at any world size. CheckpointFolder (in the
-    safeguards) writes under a temporary name, marks complete, and checks what a resume reads."""
+MARKER = "COMPLETE"  # written last into a checkpoint's folder: the checkpoint is complete
 
-    def __init__(self, folder, checkpoint_format, dcp_api, async_save, config):
-        self.format, self.dcp_api, self.pending = checkpoint_format, dcp_api, None
-        self.folder = CheckpointFolder(folder, checkpoint_format, config)
-        # The background write runs its collectives on a process group of its own, so that they
-        # never interleave with training's (as torchtitan does).
-        self.group = dist.new_group(backend="gloo") if async_save else None
-        self.stager = ReusedStager() if async_save else None
+
+class Checkpointer:
+    """Saves model and optimizer state into <folder>/step_000050 and resumes from the newest
+    complete checkpoint there, at any world size. Each is written into step_000050.tmp, marked
+    complete by a COMPLETE file written last (with the step, the format and the model's config),
+    then renamed: a save cut short leaves a .tmp folder, which resume ignores. full: rank 0
+    gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
+    model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes only
+    its shards with dcp.save; async_save: in the background, once copied to host memory."""
+
+    def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
+        self.folder, self.config = folder, config
+        self.format, self.dcp_api = checkpoint_format, dcp_api
+        self.group, self.pending, self.stager = None, None, None  # stager None: DCP's own
+        if async_save:
+            # The background writes' collectives go through a process group of their own, never
+            # among training's (as torchtitan does); a thread marks each once it is written.
+            self.group = dist.new_group(backend="gloo")
+            self.marking = ThreadPoolExecutor(max_workers=1)
 
     def save(self, model, optimizer, step):
-        path = self.folder.begin(step, model, optimizer, self)  # step_N.tmp, after checks
-        with self.folder.writing(path):  # a failed write stops every rank in one line
-            if self.format == "full":
-                model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
-                if dist.get_rank() == 0:
-                    torch.save(model_state, os.path.join(path, "model.pt"))
-                    torch.save(optim_state, os.path.join(path, "optimizer.pt"))
-            else:
-                state = {"model": get_model_state_dict(model),  # this rank's shards: DTensors
-                         "optimizer": get_optimizer_state_dict(model, optimizer)}
-                if self.stager is None:
-                    dcp.save(state, checkpoint_id=path)
-                else:  # returns once the state is copied; the future says when it is written
-                    self.pending = dcp.async_save(state, checkpoint_id=path,
-                                                  process_group=self.group,
-                                                  async_stager=self.stager)
-        return self.folder.end(step, path, self.pending)  # marks it complete; the pause, in s
+        self.wait()  # one save at a time
+        path = os.path.join(self.folder, f"step_{step:06d}")
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
+            os.makedirs(f"{path}.tmp")
+        dist.barrier()
+        if self.format == "full":
+            model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
+            if dist.get_rank() == 0:
+                torch.save(model_state, os.path.join(f"{path}.tmp", "model.pt"))
+                torch.save(optim_state, os.path.join(f"{path}.tmp", "optimizer.pt"))
+            return self.mark_complete(step, path)
+        state = {"model": get_model_state_dict(model),  # this rank's shards: DTensors
+                 "optimizer": get_optimizer_state_dict(model, optimizer)}
+        if self.group is None:
+            dcp.save(state, checkpoint_id=f"{path}.tmp")
+            return self.mark_complete(step, path)
+        # Returns once the shards are in host memory. The future is done once they are written
+        # (on rank 0, DCP's coordinator, once every rank's are): then the checkpoint is marked.
+        written = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group,
+                                 async_stager=self.stager)
+        self.pending = self.marking.submit(self.mark_complete, step, path, written)
 
     def wait(self):
-        """Wait for the background write of the last save, if any (one save at a time)."""
-        self.pending = self.folder.finished(self.pending)  # None: written and marked complete
+        """Wait for the last save's background write and marking, if any; raises their error."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def mark_complete(self, step, path, written=None):
+        """Rank 0 writes the COMPLETE marker, then renames the folder (replacing an older run's).
+        written: a background write's future, waited for first: it raises the write's error."""
+        if written is not None:
+            written.result()
+        if dist.get_rank() == 0:
+            with open(os.path.join(f"{path}.tmp", MARKER), "w") as f:
+                json.dump({"step": step, "format": self.format, "model": self.config}, f)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(f"{path}.tmp", path)
+            self.saved(path)
+
+    def saved(self, path):
+        rank0_print(f"Saved checkpoint {path}")
 
     def load(self, model, optimizer):
-        """Resume from the newest complete checkpoint; returns its step (0: none)."""
-        step, path, checkpoint_format, full_state = self.folder.newest(model)  # checked
-        if step == 0:
+        """Resume from the newest complete checkpoint; returns its step (0: there is none)."""
+        path = newest_checkpoint(self.folder)
+        if path is None:
             return 0
-        if checkpoint_format == "sharded":  # every rank reads the parts of its own shards
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+        if marker["format"] == "sharded":  # every rank reads the parts of its own shards
             state = {"model": get_model_state_dict(model),
                      "optimizer": get_optimizer_state_dict(model, optimizer)}
-            with self.folder.reading(path):
-                dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
+            dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
-        elif self.dcp_api:  # rank 0 has read the full state (the others: None): broadcast it
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, full_state[0] or {}, options=options)
-            set_optimizer_state_dict(model, optimizer, full_state[1] or {}, options=options)
-        else:  # every rank reads the full state
-            load_with_dtensor_api(model, optimizer, path)
-        rank0_print(f"Resumed from {path} at step {step}")
-        return step
+        else:
+            load_full_state(model, optimizer, path, self.dcp_api)
+        rank0_print(f"Resumed from {path} at step {marker['step']}")
+        return marker["step"]
+
+
+def newest_checkpoint(folder):
+    """The step_N folder of the highest N that holds a COMPLETE marker, or None."""
+    complete = [os.path.dirname(marker) for marker in glob.glob(
+        os.path.join(glob.escape(folder), "step_*", MARKER))]
+    complete = [path for path in complete if os.path.basename(path)[5:].isdigit()]  # not .tmp
+    return max(complete, key=lambda path: int(os.path.basename(path)[5:]), default=None)
 
 
 def gather_full_state(model, optimizer, dcp_api):
@@ -315,15 +322,26 @@ def gather_full_state(model, optimizer, dcp_api):
     return full_state if keep else ({}, {})
 
 
-def load_with_dtensor_api(model, optimizer, path):
-    """Every rank reads the full state, memory-mapped (not copied into memory), and keeps its own
-    shards: distribute_tensor with src_data_rank=None slices locally, without communication."""
+def load_full_state(model, optimizer, path, dcp_api):
+    """Load model.pt and optimizer.pt into the sharded model and optimizer, read memory-mapped (not
+    copied into memory). DCP's state-dict API: rank 0 reads them and broadcasts them. DTensor API:
+    every rank reads them and keeps its own shards (distribute_tensor with src_data_rank=None
+    slices locally, without communication)."""
+    model_state, optim_state = {}, {}  # the other ranks' under the DCP API: rank 0's come to them
+    if dist.get_rank() == 0 or not dcp_api:
+        model_state, optim_state = (
+            torch.load(os.path.join(path, name), mmap=True, weights_only=True)
+            for name in ("model.pt", "optimizer.pt"))
+    if dcp_api:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+        return
+
     def shard(full, like):
         return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements,
                                  src_data_rank=None)
 
-    model_state, optim_state = (torch.load(os.path.join(path, name), mmap=True, weights_only=True)
-                                for name in ("model.pt", "optimizer.pt"))
     params = dict(model.named_parameters())
     model.load_state_dict({name: shard(model_state[name], p) for name, p in params.items()})
     names = list(params)  # the optimizer numbers the parameters, which the file names
@@ -342,28 +360,38 @@ def main(args, device):
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
     # 1. The device mesh: 1-D for FSDP; 2-D for HSDP, R replicas each sharded over world size / R.
-    shape, names = ((world_size,), None) if args.replicate_degree == 1 else (
-        (args.replicate_degree, world_size // args.replicate_degree), ("replicate", "shard"))
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    if args.replicate_degree == 1:
+        mesh = init_device_mesh(device.type, (world_size,))
+    else:
+        mesh = init_device_mesh(device.type, (args.replicate_degree,
+                                              world_size // args.replicate_degree),
+                                mesh_dim_names=("replicate", "shard"))
 
     # 2. The model: built on the meta device, sharded, then materialized and initialized.
-    config = {flag: getattr(args, flag)
-              for flag in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")}
-    model = shard_model(config, device, mesh, not args.no_reshard_after_forward,
-                        args.mixed_precision, args.cpu_offload, args.compile,
-                        args.activation_checkpointing,
-                        args.prefetch_depth if args.explicit_prefetching else 0)
-    check_sharding(model, args.mixed_precision)
+    config = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
+                  n_heads=args.n_heads, seq_len=args.seq_len)
+    model = shard_model(config, device, mesh,
+                        reshard_after_forward=not args.no_reshard_after_forward,
+                        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
+                        compile=args.compile,
+                        activation_checkpointing=args.activation_checkpointing,
+                        prefetch=args.prefetch_depth if args.explicit_prefetching else 0)
+    agree_on_error(check_sharding(model, args.mixed_precision))  # stop if it is not as expected
     describe_fsdp(model)
 
     # 3. The optimizer, after sharding: it holds the DTensor shards. Fused on CUDA (one kernel for
     #    all tensors); foreach on CPU, where torch would otherwise loop over them one by one.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda)
 
-    # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any.
-    checkpointer = args.checkpoint_dir and Checkpointer(
-        args.checkpoint_dir, args.checkpoint_format, args.dcp_api, args.async_checkpoint, config)
-    start_step = checkpointer.load(model, optimizer) if checkpointer and not args.no_resume else 0
+    # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any: the lesson's
+    #    Checkpointer, with the safeguards' checks around each save and load.
+    checkpointer, start_step = None, 0
+    if args.checkpoint_dir:
+        checkpointer = CheckedCheckpointer(args.checkpoint_dir, config,
+                                           checkpoint_format=args.checkpoint_format,
+                                           dcp_api=args.dcp_api, async_save=args.async_checkpoint)
+    if checkpointer and not args.no_resume:
+        start_step = checkpointer.load(model, optimizer)
 
     # 5. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
@@ -374,17 +402,20 @@ def main(args, device):
                         pin_memory=cuda)
 
     # 6. Train; every --save-every steps and at the last, save.
-    log = StepLog(Report(args, device), model, start_step, args.steps, args.log_every,
-                  args.batch_size * args.seq_len, args.mixed_precision, warmup=1 + args.compile)
+    log = StepLog(Report(args, device), model, steps=steps, log_every=args.log_every,
+                  tokens_per_step=args.batch_size * args.seq_len, bf16=args.mixed_precision,
+                  warmup=1 + args.compile)
     for step, tokens in zip(steps, loader):
         if args.explicit_prefetching:
             model.unshard()  # start the root's all-gather before the step needs it
         loss, grad_norm = train_step(model, optimizer, tokens.to(device, non_blocking=True),
-                                     args.grad_accum_steps, args.max_norm)
-        saving = checkpointer and (step % args.save_every == 0 or step == args.steps)
-        log.step(step, loss, grad_norm, check_now=saving)  # reads the previous step's
-        if saving:
-            log.paused(checkpointer.save(model, optimizer, step))
+                                     grad_accum_steps=args.grad_accum_steps,
+                                     max_norm=args.max_norm)
+        save_now = checkpointer is not None and (step % args.save_every == 0
+                                                 or step == args.steps)
+        log.step(step, loss, grad_norm, check_now=save_now)  # reads the previous step's
+        if save_now:
+            log.paused(checkpointer.save(model, optimizer, step))  # returns the pause
     if checkpointer:
         checkpointer.wait()  # for an asynchronous save still in flight
     log.done(model, optimizer, checkpointer)  # the summary, memory and --metrics-json
@@ -443,46 +474,52 @@ def parse_args():
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
     add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
-    return planned(parser.parse_args())
+    return exit_if_plan(parser.parse_args())  # --plan prints the memory plan and exits
 
 
 # ==================================================================================================
-# Safeguards: this script's own checks and translations, not part of the lesson, which calls each
-# in one line: flag checks, the checkpoint folder (temporary names, completion markers, locks,
-# what a resume may read, write errors), the step log and its figures (tokens/s, TFLOP/s, MFU),
-# and the labelled workarounds of torch behaviours.
+# Safeguards: this script's own checks and translations, not part of the lesson; main applies them
+# around the lesson's calls. The flag checks; CheckedCheckpointer, the lesson's Checkpointer with
+# free-space checks, a folder lock, markers checked against the model, one-line errors and the
+# waiting notices; the step log and its figures (tokens/s, TFLOP/s, MFU); labelled workarounds.
 # ==================================================================================================
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
+import argparse
 import contextlib
 import datetime
 import errno
 import fcntl
 import gc
-import glob
-import json
 import logging
 import multiprocessing.connection
 import re
 import resource
-import shutil
 import signal
 import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import Replicate, Shard
 
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
 DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
 MEMORY_ADVICE = ("use a smaller --batch-size (or more --grad-accum-steps), --seq-len, --dim, "
                  "--n-layers or --vocab-size, or --activation-checkpointing")
+ELSEWHERE = "pass another --checkpoint-dir"  # where else a save can go, when a disk is full
+
+# Workaround: FSDP2 (torch 2.14, 2.15) warns about every root output that is a view, as the logits
+# of F.linear with a bias on a 3-D input are, because an in-place op on it would skip FSDP's
+# backward hook. The step only reads the logits (cross_entropy). Remove when FSDP2 stops warning.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
 
 
 def check_flags(args, device, world_size):
@@ -492,16 +529,11 @@ def check_flags(args, device, world_size):
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
              "or run on a GPU without --cpu).")
-    if args.dim % args.n_heads:
-        fail(f"--dim {args.dim} is not divisible by --n-heads {args.n_heads}: each head gets "
-             "dim / n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
-    if args.batch_size % (world_size * args.grad_accum_steps):
-        fail(f"--batch-size {args.batch_size} (the global batch) is not divisible by world size "
-             f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; use a multiple of "
-             f"{world_size * args.grad_accum_steps}.")
-    if world_size % args.replicate_degree:
-        fail(f"--replicate-degree {args.replicate_degree} does not divide the world size "
-             f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
+                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
+                           replicate_degree=args.replicate_degree)
+    if problem:
+        fail(problem)
     if args.async_checkpoint and args.checkpoint_format != "sharded":
         fail("--async-checkpoint writes sharded checkpoints in the background; add "
              "--checkpoint-format sharded")
@@ -526,13 +558,19 @@ def check_flags(args, device, world_size):
                  "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
 
 
-def output_logits(x, output):
-    """output(x), the logits.
-
-    Workaround: F.linear of a 3-D input with a bias returns a view, and FSDP2 (torch 2.14) warns
-    about every root output that is a view, since an in-place op on it would skip its hooks.
-    matmul + bias gives the same numbers and makes no view. Remove when FSDP2 stops warning."""
-    return torch.matmul(x, output.weight.t()) + output.bias
+def size_problem(dim, n_heads, batch_size, grad_accum_steps, world_size, replicate_degree):
+    """Why these sizes cannot train at this world size, or None (check_flags, and --plan)."""
+    if dim % n_heads:
+        return (f"--dim {dim} is not divisible by --n-heads {n_heads}: each head gets dim / "
+                "n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
+    if batch_size % (world_size * grad_accum_steps):
+        return (f"--batch-size {batch_size} (the global batch) is not divisible by world size "
+                f"{world_size} x --grad-accum-steps {grad_accum_steps}; use a multiple of "
+                f"{world_size * grad_accum_steps}.")
+    if world_size % replicate_degree:
+        return (f"--replicate-degree {replicate_degree} does not divide the world size "
+                f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    return None
 
 
 def describe_fsdp(model):
@@ -552,6 +590,37 @@ def describe_fsdp(model):
         backward = [names[s] for s in state._states_to_backward_prefetch]
         rank0_print(f"  FSDP unit {name}: {size:,} parameters, reshard after forward {reshard}, "
                     f"explicit prefetch: forward {forward}, backward {backward}")
+
+
+def check_sharding(model, mixed_precision):
+    """What fully_shard built, checked with public calls: every parameter a float32 DTensor sharded
+    Shard(0) (HSDP: replicated over mesh dimension 0), unsharded to bf16 under mixed precision.
+    Prints it, or returns what is wrong."""
+    params = list(model.parameters())
+    mesh = params[0].device_mesh
+    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
+               for p in params):
+        return f"fully_shard did not turn every parameter into a float32 DTensor {placements}"
+    ranks = [f"{n} rank{'s' * (n != 1)}" for n in mesh.shape]
+    if mesh.ndim == 1:
+        layout = f"sharded Shard(0) over {ranks[0]}"
+    else:
+        layout = f"replicated over {ranks[0]} and sharded Shard(0) over {ranks[1]} (HSDP)"
+    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
+                f"float32 DTensors {layout}; rank 0 holds "
+                f"{sum(p.to_local().numel() for p in params):,} values")
+    if mixed_precision:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        dtypes = {p.dtype for p in model.parameters()}
+        for unit in units:
+            unit.reshard()
+        if dtypes != {torch.bfloat16}:
+            return f"unsharded parameters are {dtypes}, not bfloat16, under --mixed-precision"
+        rank0_print("Unsharded parameters are bfloat16 (gradients are reduced in float32)")
+    return None
 
 
 def check_checkpoint_dir(args):
@@ -578,24 +647,194 @@ def check_checkpoint_dir(args):
         rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
 
 
+class CheckedCheckpointer(Checkpointer):
+    """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
+    background write (saying so when that took long), refuses non-finite parameters and a save the
+    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed), and
+    returns the seconds training paused; the marker also records the model's sizes. A resume
+    reads only a checkpoint whose marker and tensors fit this model, and a read that fails stops
+    every rank in one line. Asynchronous saves stage into host memory allocated once."""
+
+    def __init__(self, folder, config, **options):
+        super().__init__(os.path.abspath(folder), config, **options)
+        self.given = folder
+        self.stager = ReusedStager() if self.group is not None else None
+        self.started, self.last, self.path = None, None, None
+
+    def save(self, model, optimizer, step):
+        self.started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - self.started
+        if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
+            rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
+                        "it takes longer than --save-every steps of training; save less often, "
+                        "or to a faster disk")
+        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
+        self.path = os.path.join(self.folder, f"step_{step:06d}")
+        with saving(self.path, checkpoint_bytes(model, optimizer, full=self.format == "full"),
+                    f"{ELSEWHERE}; {last_checkpoint(self.folder)}",
+                    sharded=self.format == "sharded"):
+            super().save(model, optimizer, step)
+        return time.perf_counter() - self.started
+
+    def saved(self, path):
+        """The line of a complete checkpoint (of an asynchronous save: once written), with the
+        time training paused for it: until now, or until the stager's copy was done."""
+        background = self.group is not None
+        paused = (self.stager.done if background else time.perf_counter()) - self.started
+        rank0_print(f"Saved checkpoint {path}" + " (in the background)" * background
+                    + f", training paused {paused:.2f} s")
+        self.last = path
+
+    def mark_complete(self, step, path, written=None):
+        """The lesson's, durable across a power cut: the files reach the disk (fsync) before the
+        marker says they are complete, then the marker and the rename do."""
+        if written is not None:
+            written.result()
+        for name in sorted(os.listdir(f"{path}.tmp")) if dist.get_rank() == 0 else ():
+            sync_to_disk(os.path.join(f"{path}.tmp", name))  # DCP has synced its own: cheap
+        super().mark_complete(step, path)
+        if dist.get_rank() == 0:
+            sync_to_disk(os.path.join(path, MARKER))
+            sync_to_disk(self.folder)  # the rename
+
+    def wait(self):
+        """The lesson's wait; a failed background write stops every rank in one line, and rank 0
+        removes its .tmp folder."""
+        error = None
+        try:
+            super().wait()
+        except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
+            error = (write_problem(e, self.path, ELSEWHERE)
+                     or f"cannot write checkpoint {self.path} ({one_line(root_cause(e))})")
+            if dist.get_rank() == 0:
+                shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
+        agree_on_error(error and f"{error}; {last_checkpoint(self.folder)}")
+
+    def load(self, model, optimizer):
+        """The lesson's load, once rank 0 has found that the newest complete checkpoint's marker
+        (and a full checkpoint's tensors) fit this model; a failed read stops every rank in one
+        line."""
+        error = None
+        if dist.get_rank() == 0:
+            for path in glob.glob(os.path.join(glob.escape(self.folder), "step_*")):
+                if re.fullmatch(r"step_\d+", os.path.basename(path)) and not os.path.exists(
+                        os.path.join(path, MARKER)):
+                    rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER} marker)")
+            self.path = newest_checkpoint(self.folder)
+            shapes = {name: p.shape for name, p in model.named_parameters()}
+            error = self.path and checkpoint_problem(self.path, shapes, self.config)
+        agree_on_error(error)
+        if newest_checkpoint(self.folder) is None:
+            rank0_print(f"No checkpoint in {self.given}: starting from step 0")
+            return 0
+        self.path, step = newest_checkpoint(self.folder), 0
+        try:
+            step = super().load(model, optimizer)
+        except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank
+            error = (f"cannot read checkpoint {self.path} ({one_line(root_cause(e))}); delete it "
+                     "to resume from the checkpoint before it, or pass --no-resume")
+        agree_on_error(error)
+        return step
+
+
+def sync_to_disk(path):
+    """fsync a file, or a folder (its entries: a rename in it)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    os.fsync(descriptor)
+    os.close(descriptor)
+
+
+def checkpoint_bytes(model, optimizer, full):
+    """The bytes of model and optimizer state a save writes on this rank: all of it (full, where
+    rank 0 writes), or this rank's shards."""
+    tensors = [*model.parameters(), *(value for state in optimizer.state.values()
+                                      for value in state.values() if torch.is_tensor(value))]
+    return sum(t.numel() * t.element_size() if full or not isinstance(t, DTensor)
+               else t.to_local().numel() * t.element_size() for t in tensors)
+
+
+def checkpoint_problem(path, shapes, config):
+    """Why rank 0 cannot resume from the checkpoint at path, or None: its marker must be of its
+    folder's step and of this model's sizes; a full checkpoint's files must read, and hold
+    tensors of this model's shapes (shapes: {parameter name: shape})."""
+    redo = f"delete {path} to resume from the checkpoint before it, or pass --no-resume"
+    loaded = []
+    for name in (MARKER, "model.pt", "optimizer.pt"):
+        if loaded and loaded[0].get("format", "full") == "sharded":
+            break  # its shards are read by every rank
+        try:
+            with open(os.path.join(path, name), "rb") as f:
+                loaded.append(json.load(f) if name == MARKER else torch.load(f, weights_only=True))
+        except Exception as e:
+            return (f"cannot read checkpoint file {os.path.join(path, name)} "
+                    f"({' '.join(str(e).split())}); {redo}")
+    marker, states = loaded[0], loaded[1:]
+    if marker.get("step") != int(os.path.basename(path)[5:]):  # edited, or copied as another
+        return (f"checkpoint {path}: its {MARKER} marker says step {marker.get('step')!r}, not "
+                f"its folder's; {redo}")
+    if marker.get("model") != config:
+        flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (sizes or {}).items())
+                 for sizes in (marker.get("model"), config)]
+        return (f"checkpoint {path} was written for another model ({flags[0]}) than this run's "
+                f"({flags[1]}); pass its sizes, another --checkpoint-dir or --no-resume")
+    try:
+        fits = marker["step"] > 0
+        if states:  # a full checkpoint: its tensors must fit the model
+            model_state, optim_state = states
+            fits = fits and {k: v.shape for k, v in model_state.items()} == shapes
+            fits = fits and set(optim_state["state"]) == set(shapes)
+            for name, entries in optim_state["state"].items():
+                for value in entries.values():
+                    fits = fits and value.shape in (torch.Size(), shapes[name])
+    except (AttributeError, KeyError, TypeError):
+        fits = False
+    if not fits:
+        return (f"checkpoint {path} does not hold this model's parameters and optimizer state; "
+                "pass --no-resume")
+    return None
+
+
+def last_checkpoint(folder):
+    """Which checkpoint a rerun resumes from (said when a save fails or the run is stopped)."""
+    newest = newest_checkpoint(folder)
+    if newest is None:
+        return "no checkpoint was written yet: a rerun starts from step 0"
+    return (f"the last complete checkpoint is step {int(os.path.basename(newest)[5:])} "
+            f"({newest}): run the same command to resume")
+
+
+def resume_hint(args):
+    """Where a rerun of the same command resumes: the plumbing says it when Ctrl-C or SIGTERM
+    stops the run."""
+    if not args.checkpoint_dir:
+        return "no --checkpoint-dir: a rerun starts from step 0"
+    return last_checkpoint(os.path.abspath(args.checkpoint_dir))
+
+
+def one_line(error):
+    """An exception's type and first sentence, on one line."""
+    text = " ".join(str(error).split()).split(". ")[0][:200]
+    return f"{type(error).__name__}: {text}"
+
+
 class ReusedStager(AsyncStager):
     """dcp.async_save's staging into host memory allocated at the first save and reused by every
     later one (pinned on a GPU, so that the copy runs at full speed): training then pauses only
-    for the copy. allocated: the bytes each save allocated (0 after the first).
+    for the copy. allocated: the bytes each save allocated (0 after the first); done: when the
+    last copy ended.
 
     Workaround: DCP's DefaultStager(StagingOptions(use_pinned_memory=True)) does this, but in torch
     2.11 a second save with the same stager fails (KeyError: <class 'type'>, pytorch/pytorch#183413,
-    torchtitan#3476), and a new stager per save allocates and pins anew. Its allocation,
-    _create_cpu_state_dict(pin_memory=True), took 16 s for C1B's 12.5 GB on an H100 host (torch
-    2.11): it copies every DTensor to pageable memory to learn its structure (10.9 s), then pins
-    tensor by tensor (one cudaHostAlloc each); this stager's parts took 0.01 s (empty_on_cpu)
-    and 1.4 s (in_one_block), measured apart. These are the private helpers DCP builds its
-    stagers on. Remove when the oldest torch of requirements.txt reuses a DefaultStager and
-    allocates it as fast."""
+    torchtitan#3476), and a new stager per save allocates anew: it copies every DTensor to pageable
+    memory to learn its structure, then pins tensor by tensor, far slower than this stager's
+    empty_like and one pinned block (benchmarks/README.md, the C1B checkpoint rows). These are the
+    private helpers DCP builds its stagers on. Remove when the oldest torch of requirements.txt
+    reuses a DefaultStager and allocates it as fast."""
     _synchronize_after_execute = False  # stage() returns once the copy is done
 
     def __init__(self):
-        self.staged, self.allocated = None, []
+        self.staged, self.allocated, self.done = None, [], None
 
     def stage(self, state_dict):
         new = self.staged is None
@@ -610,12 +849,13 @@ class ReusedStager(AsyncStager):
         staged = _copy_state_dict(state_dict, self.staged, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies are done before training changes the weights
+        self.done = time.perf_counter()
         return staged
 
 
 def empty_on_cpu(state):
     """The same nested state dict with every tensor uninitialized on the CPU; a DTensor keeps its
-    mesh and placements (0.01 s for 12.5 GB on an H100 host: nothing is copied)."""
+    mesh and placements (nothing is copied)."""
     if isinstance(state, dict):
         return {key: empty_on_cpu(value) for key, value in state.items()}
     if isinstance(state, list):
@@ -625,8 +865,8 @@ def empty_on_cpu(state):
 
 def in_one_block(state, pin):
     """Moves every tensor of a CPU state dict into one block of host memory; pin: with a single
-    cudaHostRegister, so that copies from the GPU run at full speed (for 12.5 GB on an H100 host,
-    0.7 s to touch the pages and 0.7 s to register them, where one cudaHostAlloc took 8.9 s)."""
+    cudaHostRegister, so that copies from the GPU run at full speed (one cudaHostAlloc per tensor
+    is far slower: benchmarks/README.md)."""
     with torch.no_grad():  # to_local() is then the DTensor's own local tensor, not a view of it
         tensors = [t for t in tensors_of(state) if t.numel()]
     offsets, size = [], 0
@@ -652,259 +892,6 @@ def tensors_of(state):
             yield value.to_local() if isinstance(value, DTensor) else value
 
 
-MARKER_FILE = "COMPLETE"  # written last into a checkpoint: the step, the model's sizes, the format
-ELSEWHERE = "pass another --checkpoint-dir"  # where else a save can go, when a disk is full
-
-
-class CheckpointFolder:
-    """The safeguards of --checkpoint-dir: a checkpoint is written into step_000050.tmp, rank 0
-    adds the COMPLETE marker (the step, the model sizes, the format) last and renames it to
-    step_000050; resume reads only complete folders whose marker fits this run. A save that
-    would not fit on the disk is refused before it writes; a failed write stops every rank in
-    one line and removes its .tmp folder; nothing non-finite is ever saved."""
-
-    def __init__(self, root, checkpoint_format, config):
-        self.given, self.root, self.format, self.config = root, os.path.abspath(root), \
-            checkpoint_format, config
-        self.error, self.marked, self.last = None, threading.Event(), None
-
-    def begin(self, step, model, optimizer, checkpointer):
-        """Wait for the save before (one at a time), check the model and the free space, and
-        make step_N.tmp."""
-        self.started = time.perf_counter()
-        checkpointer.wait()
-        waited = time.perf_counter() - self.started
-        if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
-            rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
-                        "it takes longer than --save-every steps of training; save less often, "
-                        "or to a faster disk")
-        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
-        self.check_space(model, optimizer)
-        path = os.path.join(self.root, f"step_{step:06d}.tmp")
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
-            os.makedirs(path)
-        dist.barrier()
-        return path
-
-    def check_space(self, model, optimizer):
-        """Refuse a save the disk cannot hold, before writing: a full checkpoint is written by
-        rank 0 (the whole state), a sharded one by every rank (each node: its ranks' shards)."""
-        tensors = [*model.parameters(), *(value for state in optimizer.state.values()
-                                          for value in state.values() if torch.is_tensor(value))]
-        full = self.format == "full"
-        local = sum(t.numel() * t.element_size() if full or not isinstance(t, DTensor)
-                    else t.to_local().numel() * t.element_size() for t in tensors)
-        sizes = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, local)
-        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        node = dist.get_rank() // node_size  # torchrun numbers each node's ranks in a row
-        needed = sizes[0] if full else sum(sizes[node * node_size:(node + 1) * node_size])
-        checks = dist.get_rank() == 0 if full else os.environ["LOCAL_RANK"] == "0"
-        problem = checks and space_problem(self.root, needed, ELSEWHERE)
-        agree_on_error(problem and f"{problem}; {last_checkpoint(self.root)}")
-
-    @contextlib.contextmanager
-    def writing(self, path):
-        """A failed write (a full disk, an I/O error) stops every rank in one line, and rank 0
-        removes the half-written folder."""
-        error = None
-        try:
-            yield
-        except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
-            error = write_problem(e, path, ELSEWHERE)
-            if error is None:
-                raise
-            self.discard(path)
-        agree_on_error(error and f"{error}; {last_checkpoint(self.root)}")
-
-    def discard(self, path):
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def end(self, step, path, pending):
-        """Mark the checkpoint complete: now, or for an asynchronous save once it is written.
-        Returns the seconds training was paused."""
-        pause = time.perf_counter() - self.started
-        if pending is None:  # the pause includes syncing it to the disk
-            pause = self.mark_complete(step, path, None)
-            agree_on_error(self.error)
-        elif dist.get_rank() == 0:  # DCP's coordinator finishes last, once every shard is written
-            self.marked.clear()
-            pending.add_done_callback(lambda done: self.mark_complete(step, path, pause, done))
-        return pause
-
-    def mark_complete(self, step, path, pause, done=None):
-        """Rank 0 writes the marker and renames step_N.tmp to step_N (for an asynchronous save:
-        in DCP's thread, so errors wait for finished())."""
-        final = path[:-len(".tmp")]
-        try:
-            if done is not None and done.exception() is not None:
-                raise done.exception()
-            if dist.get_rank() == 0:
-                # On the disk before the marker says so: without fsync, a power cut or a kernel
-                # crash can keep the marker and lose the data written before it. torch.save
-                # leaves its files to the page cache; DCP's writer syncs its own (sync_files).
-                for name in ("model.pt", "optimizer.pt") if self.format == "full" else ():
-                    sync_to_disk(os.path.join(path, name))
-                with open(os.path.join(path, MARKER_FILE), "w") as f:
-                    json.dump({"step": step, "model": self.config, "format": self.format}, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                shutil.rmtree(final, ignore_errors=True)  # the same step of an earlier run
-                os.replace(path, final)
-                sync_to_disk(self.root)  # the rename
-                pause = time.perf_counter() - self.started if pause is None else pause
-                rank0_print(f"Saved checkpoint {final}" + (" (in the background)" if done else "")
-                            + f", training paused {pause:.2f} s")
-            self.last = final
-        except (Exception, dcp.CheckpointException) as e:
-            self.discard(path)
-            self.error = (write_problem(e, path, ELSEWHERE) or
-                          f"cannot write checkpoint {path} ({one_line(root_cause(e))})") + \
-                f"; {last_checkpoint(self.root)}"
-        finally:
-            self.marked.set()
-        return time.perf_counter() - self.started if pause is None else pause
-
-    def finished(self, pending):
-        """Wait for an asynchronous save's write (pending: its future, or None) and for rank 0 to
-        have marked it complete; a failed write stops every rank here. Returns None."""
-        if pending:
-            pending.exception()  # waits; mark_complete has the error, if any
-            if dist.get_rank() == 0:
-                self.marked.wait()
-            agree_on_error(self.error)
-
-    @contextlib.contextmanager
-    def reading(self, path):
-        """A checkpoint that cannot be read stops every rank in one line."""
-        error = None
-        try:
-            yield
-        except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank
-            error = (f"cannot read checkpoint {path} ({one_line(root_cause(e))}); delete it to "
-                     "resume from the checkpoint before it, or pass --no-resume")
-        agree_on_error(error)
-
-    def newest(self, model):
-        """(step, path, format, full state) of the newest complete checkpoint, checked by rank 0;
-        (0, None, None, None) if there is none. The full state is rank 0's of a full checkpoint:
-        (model state, optimizer state); (None, None) on the other ranks or for a sharded one."""
-        found, full_state, error = [None], (None, None), None
-        if dist.get_rank() == 0:
-            path = find_checkpoint(self.root)
-            if path:
-                found[0], full_state, error = read_checkpoint(path, model, self.config)
-        agree_on_error(error)
-        dist.broadcast_object_list(found, src=0)  # (step, path, format): all must know
-        if found[0] is None:
-            rank0_print(f"No checkpoint in {self.given}: starting from step 0")
-            return 0, None, None, None
-        return (*found[0], full_state)
-
-
-def sync_to_disk(path):
-    """fsync a file, or a folder (its entries: a rename in it)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def root_cause(error):
-    """The exception behind a DCP CheckpointException (which holds each failed rank's exception
-    with its traceback), or the error itself."""
-    failures = getattr(error, "failures", None)
-    return next(iter(failures.values()))[0] if failures else error
-
-
-def one_line(error):
-    """An exception's type and first sentence, on one line."""
-    text = " ".join(str(error).split()).split(". ")[0][:200]
-    return f"{type(error).__name__}: {text}"
-
-
-def find_checkpoint(root):
-    """The newest step_N folder under root that holds its completion marker, or None."""
-    complete = []
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        path = os.path.join(root, name)
-        if not re.fullmatch(r"step_\d+", name) or not os.path.isdir(path):
-            continue
-        if os.path.exists(os.path.join(path, MARKER_FILE)):
-            complete.append((int(name[5:]), path))
-        else:
-            rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER_FILE} marker)")
-    return max(complete)[1] if complete else None
-
-
-def last_checkpoint(root):
-    """Which checkpoint a rerun resumes from (said when a save fails or the run is stopped)."""
-    complete = sorted(path for path in glob.glob(os.path.join(root, "step_*"))
-                      if re.fullmatch(r"step_\d+", os.path.basename(path))
-                      and os.path.exists(os.path.join(path, MARKER_FILE)))
-    if not complete:
-        return "no checkpoint was written yet: a rerun starts from step 0"
-    return (f"the last complete checkpoint is step {int(os.path.basename(complete[-1])[5:])} "
-            f"({complete[-1]}): run the same command to resume")
-
-
-def resume_hint(args):
-    """Where a rerun of the same command resumes: the plumbing says it when Ctrl-C or SIGTERM
-    stops the run."""
-    if not args.checkpoint_dir:
-        return "no --checkpoint-dir: a rerun starts from step 0"
-    return last_checkpoint(os.path.abspath(args.checkpoint_dir))
-
-
-def read_checkpoint(path, model, config):
-    """Rank 0 reads a checkpoint's marker (and a full one's files) and checks that they fit this
-    run. Returns ((step, path, format), (model state, optimizer state), None), the states None
-    for a sharded checkpoint, or (None, (None, None), why not)."""
-    loaded = []
-    for name in (MARKER_FILE, "model.pt", "optimizer.pt"):
-        if loaded and loaded[0].get("format", "full") == "sharded":
-            break  # its shards are read by every rank
-        try:
-            with open(os.path.join(path, name), "rb") as f:
-                loaded.append(json.load(f) if name == MARKER_FILE else
-                              torch.load(f, weights_only=True))
-        except Exception as e:
-            reason = " ".join(str(e).split())
-            return None, (None, None), (
-                f"cannot read checkpoint file {os.path.join(path, name)} ({reason}); delete "
-                f"{path} to resume from the checkpoint before it, or pass --no-resume")
-    marker, states = loaded[0], (loaded[1:] or [None, None])
-    if marker.get("step") != int(os.path.basename(path)[5:]):  # edited, or copied as another
-        return None, (None, None), (
-            f"checkpoint {path}: its {MARKER_FILE} marker says step {marker.get('step')!r}, not "
-            "its folder's; delete it to resume from the checkpoint before it, or pass --no-resume")
-    if marker.get("model") != config:
-        flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in (sizes or {}).items())
-                 for sizes in (marker.get("model"), config)]
-        return None, (None, None), (
-            f"checkpoint {path} was written for another model ({flags[0]}) than this run's "
-            f"({flags[1]}); pass its sizes, another --checkpoint-dir or --no-resume")
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    try:
-        fits = marker["step"] > 0
-        model_state, optim_state = states
-        if model_state is not None:  # a full checkpoint: its tensors must fit the model
-            fits = fits and {k: v.shape for k, v in model_state.items()} == shapes
-            fits = fits and set(optim_state["state"]) == set(shapes)
-            for name, entries in optim_state["state"].items():
-                for value in entries.values():
-                    fits = fits and value.shape in (torch.Size(), shapes[name])
-    except (AttributeError, KeyError, TypeError):
-        fits = False
-    if not fits:
-        return None, (None, None), (f"checkpoint {path} does not hold this model's parameters and "
-                                    "optimizer state; pass --no-resume")
-    return (marker["step"], path, marker.get("format", "full")), states, None
-
-
 class StepLog:
     """Each step's loss and gradient norm, read from the device one step late, so that the host
     never makes the GPU wait (the loss of the newest step is read only on a line or before a
@@ -912,16 +899,18 @@ class StepLog:
     tokens/s (on a GPU also TFLOP/s and MFU). A non-finite loss stops every rank. done() prints
     the steady state, the first warmup steps and checkpoint pauses excluded, and the metrics."""
 
-    def __init__(self, report, model, start_step, steps, log_every, tokens_per_step, bf16, warmup):
-        self.report, self.first, self.last_step, self.log_every = report, start_step + 1, steps, \
-            log_every
-        self.tokens_per_step, self.warmup = tokens_per_step, warmup
+    def __init__(self, report, model, steps, log_every, tokens_per_step, bf16, warmup):
+        """steps: the range of steps this run trains."""
+        self.report, self.log_every, self.warmup = report, log_every, warmup
+        self.first, self.last_step = steps.start, steps.stop - 1
+        self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token(model, model.pos_embeddings.num_embeddings)
         self.peak_tflops = peak_tflops(report.device, bf16)
         self.unread, self.losses, self.grad_norms, self.seconds, self.stalls = [], [], [], [], []
         self.last_line = 0  # len(self.seconds) when the last line was printed
-        if start_step >= steps:
-            rank0_print(f"The checkpoint is at step {start_step}, --steps is {steps}: no training")
+        if not steps:
+            rank0_print(f"The checkpoint is at step {self.first - 1}, --steps is "
+                        f"{self.last_step}: no training")
         self.clock = time.perf_counter()
 
     def step(self, step, loss, grad_norm, check_now=False):
@@ -988,15 +977,17 @@ class StepLog:
                             if figures["tflops_per_gpu"] is not None else
                             f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
         self.report.training_done(model, optimizer, trained=bool(self.losses))
-        folder = checkpointer and checkpointer.folder
+        checkpoint, staging = None, None
+        if checkpointer is not None:
+            checkpoint = checkpointer.last
+            staging = checkpointer.stager.allocated if checkpointer.stager else None
         self.report.write(
             train_loss=self.losses[-1] if self.losses else None, losses=self.losses,
             grad_norms=self.grad_norms, first_step=self.first,
             step=max(self.first - 1, self.last_step), tokens_per_s=tokens_per_s,
             step_time_s=step_time, warmup_steps=max(warmup, 0), step_times_s=self.seconds,
-            checkpoint=folder and folder.last, checkpoint_stall_s=self.stalls,
-            checkpoint_staging_bytes=checkpointer and checkpointer.stager and
-            checkpointer.stager.allocated, **figures)
+            checkpoint=checkpoint, checkpoint_stall_s=self.stalls,
+            checkpoint_staging_bytes=staging, **figures)
 
 
 # Dense peak TFLOP/s of one GPU in (bf16, fp32), from NVIDIA's data sheets: the first name found
@@ -1025,8 +1016,9 @@ def flops_per_token(model, seq_len):
 
 # ==================================================================================================
 # Planner: --plan predicts each rank's memory from the model built on the meta device, before
-# anything is allocated, and exits. Not part of the lesson; tests/test_plan.py holds it against
-# measured runs (the training state exactly; saved activations and H100 peaks within 15%).
+# anything is allocated, and exits. Not part of the lesson; tests/test_fsdp2_scale.py holds it
+# against measured runs (the training state exactly, the saved activations); the peaks of a 1B
+# model on an H100 were within 6% (benchmarks/README.md).
 # ==================================================================================================
 PLAN_RANKS = (1, 2, 4, 8, 16, 32, 64)
 NOT_COUNTED = ("not counted: the CUDA context (about 0.5 GiB per GPU), allocator fragmentation, "
@@ -1044,7 +1036,7 @@ def add_plan_flags(parser):
         "for --plan (default: the visible GPU's, else 80)")
 
 
-def planned(args):
+def exit_if_plan(args):
     """args, unless --plan: then print the plan (rank 0), write it to --metrics-json, exit 0."""
     if not args.plan:
         return args
@@ -1053,14 +1045,16 @@ def planned(args):
         torch.cuda.device_count() if use_cuda else 0) or 2))
     device_gib = args.plan_device_memory or (
         torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
-    config = {flag: getattr(args, flag)
-              for flag in ("vocab_size", "dim", "n_layers", "n_heads", "seq_len")}
+    config = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
+                  n_heads=args.n_heads, seq_len=args.seq_len)
     options = {"batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
                "mixed_precision": args.mixed_precision, "cpu_offload": args.cpu_offload,
                "reshard_after_forward": not args.no_reshard_after_forward,
                "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
                "activation_checkpointing": args.activation_checkpointing}
-    problem = plan_problem(config, world_size, args.replicate_degree, options)
+    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
+                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
+                           replicate_degree=args.replicate_degree)
     if problem:
         fail(f"--plan: {problem}")
     with torch.device("meta"):  # shapes only: no memory, no weights
@@ -1073,18 +1067,6 @@ def planned(args):
             json.dump({"script": os.path.basename(__file__), "plan": plan}, f, indent=2)
         os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
     sys.exit(0)
-
-
-def plan_problem(config, world_size, replicate, options):
-    """Why the plan's sizes cannot train (what check_flags would refuse), or None."""
-    if config["dim"] % config["n_heads"]:
-        return f"--dim {config['dim']} is not divisible by --n-heads {config['n_heads']}"
-    if world_size % replicate:
-        return f"--replicate-degree {replicate} does not divide the world size {world_size}"
-    if options["batch_size"] % (world_size * options["grad_accum_steps"]):
-        return (f"--batch-size {options['batch_size']} is not divisible by world size "
-                f"{world_size} x --grad-accum-steps {options['grad_accum_steps']}")
-    return None
 
 
 def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixed_precision,
@@ -1224,12 +1206,12 @@ def ways_to_fit(model, world_size, replicate, device_gib, options):
 
 
 # ==================================================================================================
-# Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
-# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
-# input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
-# metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's check_flags(args, device, world_size), main(args, device), parse_args() and
-# resume_hint(args), and quotes its MEMORY_ADVICE.
+# Plumbing, not part of the lesson: what the four scripts share, each function the same, byte for
+# byte, in every script that uses it (tests/test_layout.py): rank-0 printing, one error line
+# instead of a traceback per rank (bad input, a full disk, a lost peer, Ctrl-C), output checks,
+# time and memory figures, the metrics file, process-group set-up, launching, the flags every
+# script has. It calls the script's check_flags(args, device, world_size), main(args, device),
+# parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -1250,6 +1232,8 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
+
+
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
@@ -1315,12 +1299,11 @@ def space_problem(folder, needed, elsewhere):
 
 
 @contextlib.contextmanager
-def saving(path, state, elsewhere, copies=1, sharded=False):
-    """Around a save of state (a state dict, nested) to path, written `copies` times: first the
-    free space is checked (by rank 0; with sharded, where every rank writes its shards, by each
-    node's local rank 0 for its ranks' shards); then a failed write (a full disk, an I/O error)
-    stops every rank with one line, and the half-written path*.tmp are removed."""
-    needed = copies * state_bytes(state)
+def saving(path, needed, elsewhere, sharded=False):
+    """Around a save to path of `needed` bytes (rank 0's; with sharded, every rank's own shards):
+    first the free space is checked (by rank 0; sharded, by each node's local rank 0 for its
+    ranks' bytes); then a failed write (a full disk, an I/O error) stops every rank with one line,
+    and the half-written path*.tmp are removed."""
     if sharded:
         sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         dist.all_gather_object(sizes, needed)
@@ -1341,25 +1324,11 @@ def saving(path, state, elsewhere, copies=1, sharded=False):
     agree_on_error(error)
 
 
-def state_bytes(state):
-    """The bytes of the tensors in a (nested) state dict; of a DTensor, its local shard."""
-    if isinstance(state, dict):
-        return sum(state_bytes(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(value) for value in state)
-    if torch.is_tensor(state):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
-    return 0
-
-
 def write_problem(error, path, elsewhere):
     """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
-    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or a DCP
-    CheckpointException, which wraps each failed rank's exception and traceback: its root
-    cause's type and first sentence."""
-    failures = getattr(error, "failures", None)  # a CheckpointException
-    cause = next(iter(failures.values()))[0] if failures else error
+    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or the
+    root cause of a DCP CheckpointException: its type and first sentence."""
+    cause = root_cause(error)
     text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
     if not isinstance(cause, (OSError, RuntimeError)) or isinstance(
             cause, (dist.DistError, torch.OutOfMemoryError)) or re.search(
@@ -1373,6 +1342,13 @@ def write_problem(error, path, elsewhere):
         reason = f"{type(cause).__name__}: {text.split('. ')[0][:200]}"
     return (f"cannot write {path} ({reason}; {free / 2**20:,.1f} MiB free in {folder}); free "
             f"space there, or {elsewhere}")
+
+
+def root_cause(error):
+    """The exception behind a DCP CheckpointException (which holds each failed rank's exception
+    with its traceback), or the error itself."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
 
 
 def stop_if_diverged(where, tensors, advice):
@@ -1651,7 +1627,6 @@ def positive(kind, zero=False, most=math.inf):
         return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
-
 
 if __name__ == "__main__":
     launch(parse_args())

@@ -16,9 +16,8 @@ FSDP2 (fully_shard), which fsdp2_transformer.py teaches.
     python t5_fsdp_finetune.py --cpu --model-name tiny-t5 --data-dir tiny-data --input-length 64 \\
         --output-length 24 --num-train-samples 64 --num-val-samples 31    # the tests' fixtures
 
-Data: wikihowAll.csv in --data-dir (README.md, "Data"), read by
-summarization_dataset.py. CUDA + NCCL when a GPU is visible, else CPU + gloo. The Safeguards
-(checks, workarounds) and the Plumbing (the same in all four scripts) after it are not the lesson.
+Data: wikihowAll.csv in --data-dir (README.md, "Data"), read by summarization_dataset.py. CUDA +
+NCCL when a GPU is visible, else CPU + gloo. Below the lesson: Safeguards and Plumbing.
 """
 import argparse
 import datetime
@@ -50,6 +49,7 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
 from transformers import AutoConfig, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Block
 
@@ -60,14 +60,11 @@ from summarization_dataset import wikihow
 def load_model_and_tokenizer(name, on_meta=False):
     """The pretrained model in fp32 (FSDP's master weights) and its tokenizer. on_meta: only the
     model's structure, on the meta device, without loading or allocating any weight."""
-    with model_errors(name):  # any failure: one line naming --model-name and the fix
-        config = AutoConfig.from_pretrained(name)
-        tokenizer = T5Tokenizer.from_pretrained(name)
-        check_model(config, tokenizer)  # a T5 with its own tokenizer, or it would train wrong
-        if on_meta:
-            with torch.device("meta"):
-                return T5ForConditionalGeneration(config), tokenizer
-        return T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32), tokenizer
+    tokenizer = T5Tokenizer.from_pretrained(name)
+    if on_meta:
+        with torch.device("meta"):
+            return T5ForConditionalGeneration(AutoConfig.from_pretrained(name)), tokenizer
+    return T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32), tokenizer
 
 
 def load_data(tokenizer, data_dir, input_length, output_length, num_train, num_val):
@@ -102,16 +99,16 @@ def mixed_precision_choice(choice, device):
 
 
 def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefetch,
-               limit_all_gathers, activation_checkpointing, sync_module_states):
+               limit_all_gathers, activation_checkpointing, sync_module_states=False,
+               param_init_fn=None):
     """FSDP1 with one unit per T5Block: each rank keeps its shard of the parameters, gradients
     and optimizer state; a unit's parameters are gathered only while it computes."""
     world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    strategy = effective_strategy(ShardingStrategy[sharding_strategy], world_size, local_world_size)
+    strategy = ShardingStrategy[sharding_strategy]
     # HYBRID_SHARD shards within a node and replicates across nodes: a (nodes, node size) mesh.
     # With a mesh, FSDP1's sharded state dicts hold DTensors, not the deprecated ShardedTensors.
     mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
                             if strategy == ShardingStrategy.HYBRID_SHARD else (world_size,))
-    allow_sync_module_states_on_cpu(sync_module_states, device)  # a workaround; see there
     model = FSDP(
         model,  # on CPU; device_id moves it to the device one FSDP unit at a time
         # A unit per T5Block; the shared embedding (encoder, decoder, lm_head) stays in the root.
@@ -127,7 +124,7 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
         # --cpu-ram-efficient-loading: only rank 0 has the weights; the others, on the meta device,
         # get memory (param_init_fn) and then rank 0's values (sync_module_states).
         sync_module_states=sync_module_states,
-        param_init_fn=materialize_on(device),
+        param_init_fn=param_init_fn,
     )
     if activation_checkpointing:
         # Only checkpoint_impl is passed: the tutorial also passed offload_to_cpu=False, which newer
@@ -156,15 +153,16 @@ def per_example_loss(model, batch):
     return losses.sum(dim=1) / (batch["target_ids"] != -100).sum(dim=1)
 
 
-def train(model, loader, optimizer, scaler, epoch, device):
+def train(model, loader, optimizer, scaler, epoch, device, bar=tqdm):
+    """One epoch; rank 0 shows its progress with bar (tqdm's interface)."""
     model.train()
     loader.sampler.set_epoch(epoch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed example losses, examples
-    for step, batch in enumerate(progress_bar(loader, f"r0 Training Epoch {epoch}", "blue"), 1):
+    for batch in bar(loader, desc=f"r0 Training Epoch {epoch}", colour="blue", leave=False,
+                     disable=dist.get_rank() != 0):
         batch = {k: v.to(device) for k, v in batch.items()}
         optimizer.zero_grad(set_to_none=True)
         losses = per_example_loss(model, batch)
-        stop_if_diverged(f"the loss of epoch {epoch}, step {step}", [losses], DIVERGED)
         if scaler:  # fp16: scale the loss so that small gradients do not underflow
             scaler.scale(losses.mean()).backward()
             scaler.step(optimizer)
@@ -178,12 +176,13 @@ def train(model, loader, optimizer, scaler, epoch, device):
     return (totals[0] / totals[1]).item()
 
 
-def validation(model, loader, device):
+def validation(model, loader, device, bar=tqdm):
     model.eval()
     sampler, seen = loader.sampler, 0
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed example losses, examples
     with torch.no_grad():
-        for batch in progress_bar(loader, "Validation Epoch", "green"):
+        for batch in bar(loader, desc="Validation Epoch", colour="green", leave=False,
+                         disable=dist.get_rank() != 0):
             batch = {k: v.to(device) for k, v in batch.items()}
             losses = per_example_loss(model, batch)
             # DistributedSampler repeats examples to give every rank as many batches (FSDP needs
@@ -193,7 +192,6 @@ def validation(model, loader, device):
             seen += len(losses)
             totals += torch.stack([losses[real].sum(), real.sum()])
     dist.all_reduce(totals)
-    stop_if_diverged("the validation loss", [totals[0]], DIVERGED)
     rank0_print(f"Validation Loss: {totals[0] / totals[1]:.4f}")
     return (totals[0] / totals[1]).item()
 
@@ -202,39 +200,45 @@ def validation(model, loader, device):
 TRAINER_STATE = "trainer_state.json"  # written last into a sharded checkpoint: marks it complete
 
 
-def export_model(model, tokenizer, path):
-    """Rank 0 writes path.pt (the full state dict) and the HF directory path-hf; all ranks call it.
-    get_model_state_dict(full_state_dict, cpu_offload) is the tutorial's streaming FULL_STATE_DICT
-    save (offload_to_cpu, rank0_only) without the deprecated FSDP.state_dict_type context: the
-    parameters are gathered one FSDP unit at a time and only rank 0 keeps them, on CPU."""
-    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never export it
-    options = StateDictOptions(full_state_dict=True, cpu_offload=offload_to_cpu(model))
+def export_model(model, tokenizer, path, cpu_offload=True):
+    """Rank 0 writes path.pt (the full state dict) and the HF directory path-hf, each under a
+    temporary name renamed once complete; all ranks call it. get_model_state_dict(full_state_dict,
+    cpu_offload) is the tutorial's streaming FULL_STATE_DICT save (offload_to_cpu, rank0_only)
+    without the deprecated FSDP.state_dict_type context: the parameters are gathered one FSDP
+    unit at a time and only rank 0 keeps them, on CPU."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     state = get_model_state_dict(model, options=options)
-    with saving(path, state, ELSEWHERE, copies=2):  # room for both? a failed write: one line
-        if dist.get_rank() == 0:
-            with written_whole(f"{path}.pt") as tmp:  # a temporary name, renamed once complete
-                torch.save(state, tmp)
-            with torch.device("meta"):  # no second random initialization: weights from state
-                plain = T5ForConditionalGeneration(model.module.config)
-            plain.load_state_dict(state, assign=True)
-            plain.tie_weights()
-            plain.generation_config = model.module.generation_config
-            with written_whole(f"{path}-hf") as tmp:
-                plain.save_pretrained(tmp)
-                tokenizer.save_pretrained(tmp)
-            rank0_print(f"Saved {path}.pt and {path}-hf")
+    if dist.get_rank() == 0:
+        torch.save(state, f"{path}.pt.tmp")
+        os.replace(f"{path}.pt.tmp", f"{path}.pt")
+        with torch.device("meta"):  # no second random initialization: weights from state
+            plain = T5ForConditionalGeneration(model.module.config)
+        plain.load_state_dict(state, assign=True)
+        plain.tie_weights()
+        plain.generation_config = model.module.generation_config
+        shutil.rmtree(f"{path}-hf.tmp", ignore_errors=True)  # the leftover of a crash
+        plain.save_pretrained(f"{path}-hf.tmp")
+        tokenizer.save_pretrained(f"{path}-hf.tmp")
+        shutil.rmtree(f"{path}-hf", ignore_errors=True)
+        os.replace(f"{path}-hf.tmp", f"{path}-hf")
+        rank0_print(f"Saved {path}.pt and {path}-hf")
 
 
 def save_sharded_checkpoint(model, optimizer, trainer_state, path):
     """Every rank writes its shards of the model and optimizer state with DCP (dcp.save is a
-    collective); rank 0 adds the trainer state (epoch, scheduler, losses) last."""
-    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
+    collective) into path.tmp; rank 0 adds the trainer state (epoch, scheduler, losses), which
+    marks it complete, last, and renames it to path."""
     state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # the shards
-    with saving(path, state, ELSEWHERE, sharded=True), written_whole(path, every_rank=True) as tmp:
-        dcp.save(state, checkpoint_id=tmp)  # into path.tmp, renamed once complete
-        if dist.get_rank() == 0:
-            with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-                json.dump(trainer_state, f, indent=2)
+    if dist.get_rank() == 0:
+        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
+    dist.barrier()
+    dcp.save(state, checkpoint_id=f"{path}.tmp")
+    if dist.get_rank() == 0:
+        with open(os.path.join(f"{path}.tmp", TRAINER_STATE), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
     rank0_print(f"Saved sharded checkpoint {path}")
 
 
@@ -243,12 +247,11 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
     size (each rank reads what its shards hold of the saved ones); return its trainer state."""
     with open(os.path.join(path, TRAINER_STATE)) as f:
         state = json.load(f)
-    with checkpoint_errors(path):  # any rank's failure: one line on every rank
-        model_state, optim_state = get_state_dict(model, optimizer)  # this run's shards to fill
-        loaded = {"model": model_state, "optimizer": optim_state}
-        dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"])
+    model_state, optim_state = get_state_dict(model, optimizer)  # this run's shards to fill
+    loaded = {"model": model_state, "optimizer": optim_state}
+    dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -258,14 +261,13 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     quiet_known_warnings()  # library warnings and bars that say nothing a user can act on
 
     # 1. Load the model, tokenizer and data: each node's rank 0 first (downloads, caches).
     on_meta = args.cpu_ram_efficient_loading and rank > 0  # only rank 0 loads the weights
-    model, tokenizer = local_rank_zero_first(
-        lambda: load_model_and_tokenizer(args.model_name, on_meta))
+    model, tokenizer = local_rank_zero_first(lambda: checked_model(args.model_name, on_meta))
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
         args.num_val_samples if args.run_validation else None))
@@ -274,16 +276,23 @@ def main(args, device):
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
                               sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
-    val_loader = val_set and DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
-                                        sampler=DistributedSampler(val_set, shuffle=False))
+    val_loader = None
+    if val_set:
+        val_loader = DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
+                                sampler=DistributedSampler(val_set, shuffle=False))
 
     # 2. Wrap the model in FSDP: one unit per T5Block, sharded over the ranks.
     precision = mixed_precision_choice(args.mixed_precision, device)
-    model = wrap_model(model, device, args.sharding_strategy, POLICIES[precision],
-                       args.backward_prefetch, args.limit_all_gathers,
-                       args.activation_checkpointing, args.cpu_ram_efficient_loading)
+    allow_sync_module_states_on_cpu(args.cpu_ram_efficient_loading, device)  # a workaround
+    model = wrap_model(model, device, sharding_strategy=strategy_to_use(args.sharding_strategy),
+                       mixed_precision=POLICIES[precision],
+                       backward_prefetch=args.backward_prefetch,
+                       limit_all_gathers=args.limit_all_gathers,
+                       activation_checkpointing=args.activation_checkpointing,
+                       sync_module_states=args.cpu_ram_efficient_loading,
+                       param_init_fn=materialize_on(device))  # keeps T5's shared weights tied
     describe_fsdp(model)  # what FSDP built, read from the wrapped model
-    loaded = report_memory_after_loading(Report(args, device), model)
+    log = EpochLog(Report(args, device), model, track_memory=args.track_memory)
 
     # 3. The optimizer after wrapping, so that it holds this rank's shards; fp16's grad scaler.
     optimizer = optim.AdamW(model.parameters(), lr=args.lr)
@@ -291,25 +300,31 @@ def main(args, device):
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
 
     # 4. Resume from the sharded checkpoint that --resume names (auto: the newest in --save-dir).
-    checkpoint = find_resumable(args.resume, args.save_dir)
-    state = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, scaler) \
-        if checkpoint else {"epoch": 0, "best_val_loss": None, "best_checkpoint": None,
-                            "train_losses": [], "val_losses": []}
+    checkpoint = find_resumable(args.resume, args.save_dir)  # checked by check_flags
+    state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None, "train_losses": [],
+             "val_losses": []}
+    if checkpoint:
+        with checkpoint_errors(checkpoint):  # any rank's failure: one line on every rank
+            state = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, scaler)
     check_before_training(args)  # --save-dir writable and locked; --overwrite
 
     # 5. Per epoch: train, validate, step the learning rate, save the best model and a checkpoint.
     run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
-    report, train_times, epoch_times = Report(args, device), [], []
+    log.start()
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + rank)
-        state["train_losses"].append(train(model, train_loader, optimizer, scaler, epoch, device))
-        train_times.append(report.lap())
-        val_loss = validation(model, val_loader, device) if val_loader else None
+        loss = train(model, train_loader, optimizer, scaler, epoch, device, bar=progress_bar)
+        stop_if_diverged(f"the loss of epoch {epoch}", [torch.tensor(loss)], DIVERGED)
+        state["train_losses"].append(loss)
+        log.trained()
+        val_loss = None
+        if val_loader:
+            val_loss = validation(model, val_loader, device, bar=progress_bar)
+            stop_if_diverged("the validation loss", [torch.tensor(val_loss)], DIVERGED)
         state["val_losses"].append(val_loss)
         scheduler.step()
-        epoch_times.append(train_times[-1] + report.lap())
-        report_epoch(report, epoch, epoch_times[-1], args.track_memory, model, optimizer)
+        log.epoch_done(epoch, model, optimizer)  # its time, and memory
         # Without validation there is nothing to compare: the last epoch's model is saved.
         improved = epoch == args.epochs if val_loss is None else (
             state["best_val_loss"] is None or val_loss < state["best_val_loss"])
@@ -319,26 +334,20 @@ def main(args, device):
         if improved and args.save_model:
             name = f"{run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
             state["best_checkpoint"] = os.path.abspath(os.path.join(args.save_dir, name))
-            export_model(model, tokenizer, state["best_checkpoint"])
+            with checked_save(model, state["best_checkpoint"], 2 * full_state_bytes(model)):
+                export_model(model, tokenizer, state["best_checkpoint"],
+                             cpu_offload=offload_to_cpu(model))
         if args.save_model and args.checkpoint_type == "sharded":
             state.update(epoch=epoch, scheduler=scheduler.state_dict(),
                          scaler=scaler.state_dict() if scaler else None)
-            save_sharded_checkpoint(model, optimizer, state, os.path.join(
-                os.path.abspath(args.save_dir), f"checkpoint-epoch-{epoch}"))
-        report.lap()
+            path = os.path.join(os.path.abspath(args.save_dir), f"checkpoint-epoch-{epoch}")
+            with checked_save(model, path, local_state_bytes(model, optimizer), sharded=True):
+                save_sharded_checkpoint(model, optimizer, state, path)
+        log.saved()  # the saves' time is not the epoch's
 
     # 6. Report: throughput, time, memory, and the metrics file.
-    samples_per_s = len(train_loader.sampler) * world_size * len(train_times) / sum(train_times)
-    rank0_print(f"Training: {samples_per_s:.1f} samples/s")
-    report.training_done(model, optimizer)
-    best = state["best_checkpoint"]
-    report.write(train_loss=state["train_losses"][-1], train_losses=state["train_losses"],
-                 val_loss=state["best_val_loss"], val_losses=state["val_losses"],
-                 epoch_times=epoch_times, samples_per_s=samples_per_s,
-                 train_batches=len(train_loader), val_batches=len(val_loader or ()),
-                 peak_memory_after_loading_per_rank=loaded.peaks,
-                 checkpoint=best and f"{best}-hf", checkpoint_pt=best and f"{best}.pt",
-                 mixed_precision=precision, sharding_strategy=model.sharding_strategy.name)
+    log.done(model, optimizer, state, train_loader=train_loader, val_loader=val_loader,
+             mixed_precision=precision)
 
 
 def parse_args():
@@ -405,7 +414,7 @@ def parse_args():
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--track-memory", action=on_off, default=True, help="print peak memory every epoch")
     add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
-    return planned(parser.parse_args())
+    return exit_if_plan(parser.parse_args())  # --plan prints the memory plan and exits
 
 
 # ==================================================================================================
@@ -439,7 +448,6 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
-from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
 from summarization_dataset import DOWNLOAD_HELP, WikiHowError, check_csv
@@ -581,6 +589,31 @@ def check_model(config, tokenizer):
                          "to another model")
 
 
+def checked_model(name, on_meta):
+    """load_model_and_tokenizer(name, on_meta), any failure turned into one line naming
+    --model-name and the fix (a ValueError); a model that is not a T5 with its own tokenizer,
+    which would train quietly wrong, refused."""
+    with model_errors(name):
+        model, tokenizer = load_model_and_tokenizer(name, on_meta)
+        check_model(model.config, tokenizer)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def checked_save(model, path, needed, sharded=False):
+    """Around a save of model to path (needed: the bytes this rank's part of it takes): never a
+    model that is not finite; then the free space checked and a failed write in one line."""
+    stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
+    with saving(path, needed, ELSEWHERE, sharded=sharded):
+        yield
+
+
+def local_state_bytes(model, optimizer):
+    """The bytes of this rank's shards of the model and optimizer state: what a sharded
+    checkpoint writes on this rank."""
+    return state_bytes(list(model.parameters())) + state_bytes(list(optimizer.state.values()))
+
+
 def model_errors(name):
     """Any failure to load --model-name becomes a ValueError of one line naming it and the fix."""
     where = (f"the directory {name}" if os.path.isdir(name)
@@ -617,21 +650,6 @@ def one_line(error):
     return " ".join(lines[-1].split()).rstrip(".") if lines else type(error).__name__
 
 
-def local_rank_zero_first(load):
-    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
-    caches are written once per node. A ValueError on any rank stops every rank with its text."""
-    result = None
-    for first in (True, False):
-        error = None
-        if (os.environ["LOCAL_RANK"] == "0") == first:
-            try:
-                result = load()
-            except ValueError as e:
-                error = str(e)
-        agree_on_error(error)
-    return result
-
-
 def quiet_known_warnings():
     """Silence what says nothing a user can act on; each filter matches one message (torch 2.14,
     transformers 5). Remove a filter when its warning no longer shows in tests/test_t5.py's runs
@@ -647,17 +665,6 @@ def quiet_known_warnings():
     warnings.filterwarnings("ignore", message=r".*(_get_pg_default_device|Multiple backends are "
                             r"registered|full_state_dict will ?be returned|The `NO_SHARD` sharding "
                             r"strategy is deprecated)")
-
-
-def effective_strategy(strategy, world_size, local_world_size):
-    """The sharding strategy to give FSDP1: NO_SHARD where there is nothing to shard with."""
-    alone = world_size == 1 or (local_world_size == 1 and strategy == ShardingStrategy.HYBRID_SHARD)
-    if strategy == ShardingStrategy.NO_SHARD or not alone:
-        return strategy
-    # FSDP1 would switch to NO_SHARD itself with a warning, and for HYBRID_SHARD on nodes of one
-    # process reduce within each node only: each node would train on its own.
-    rank0_print(f"{strategy.name} with one process{' per node' * (world_size > 1)}: NO_SHARD")
-    return ShardingStrategy.NO_SHARD
 
 
 def allow_sync_module_states_on_cpu(sync_module_states, device):
@@ -721,21 +728,50 @@ def describe_fsdp(model):
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
 
 
-def report_memory_after_loading(report, model):
-    """Print each rank's peak memory so far: what loading and wrapping the model cost it."""
-    report.memory(model)
-    peaks = ", ".join(f"{peak / 2**20:.1f}" for peak in report.peaks)
-    rank0_print(f"Peak memory per rank after loading the model: {peaks} MiB")
-    return report
+class EpochLog:
+    """The run's figures: each rank's peak memory after loading the model (at creation), each
+    epoch's time (training alone, then with validation) and, with track_memory, the ranks' peak
+    memory; at the end samples/s, the time and memory summary, and --metrics-json."""
 
+    def __init__(self, report, model, track_memory):
+        self.report, self.track_memory = report, track_memory
+        report.memory(model)
+        self.loaded = report.peaks
+        peaks = ", ".join(f"{peak / 2**20:.1f}" for peak in self.loaded)
+        rank0_print(f"Peak memory per rank after loading the model: {peaks} MiB")
+        self.train_times, self.epoch_times = [], []
 
-def report_epoch(report, epoch, seconds, track_memory, model, optimizer):
-    """Print the epoch's time, and with track_memory the peak memory of the ranks."""
-    rank0_print(f"Epoch {epoch} time: {seconds:.2f}s")
-    if track_memory:
-        kind = "CUDA allocated" if report.device.type == "cuda" else "process RSS"
-        rank0_print(f"Peak memory per rank ({kind}): "
-                    f"{report.memory(model, optimizer)[1] / 2**20:.1f} MiB")
+    def start(self):
+        self.report = Report(self.report.args, self.report.device)  # the clock starts now
+
+    def trained(self):
+        self.train_times.append(self.report.lap())
+
+    def epoch_done(self, epoch, model, optimizer):
+        self.epoch_times.append(self.train_times[-1] + self.report.lap())
+        rank0_print(f"Epoch {epoch} time: {self.epoch_times[-1]:.2f}s")
+        if self.track_memory:
+            kind = "CUDA allocated" if self.report.device.type == "cuda" else "process RSS"
+            rank0_print(f"Peak memory per rank ({kind}): "
+                        f"{self.report.memory(model, optimizer)[1] / 2**20:.1f} MiB")
+
+    def saved(self):
+        self.report.lap()
+
+    def done(self, model, optimizer, state, train_loader, val_loader, mixed_precision):
+        samples = len(train_loader.sampler) * dist.get_world_size() * len(self.train_times)
+        samples_per_s = samples / sum(self.train_times)
+        rank0_print(f"Training: {samples_per_s:.1f} samples/s")
+        self.report.training_done(model, optimizer)
+        best = state["best_checkpoint"]
+        self.report.write(
+            train_loss=state["train_losses"][-1], train_losses=state["train_losses"],
+            val_loss=state["best_val_loss"], val_losses=state["val_losses"],
+            epoch_times=self.epoch_times, samples_per_s=samples_per_s,
+            train_batches=len(train_loader), val_batches=len(val_loader or ()),
+            peak_memory_after_loading_per_rank=self.loaded,
+            checkpoint=f"{best}-hf" if best else None, checkpoint_pt=f"{best}.pt" if best else None,
+            mixed_precision=mixed_precision, sharding_strategy=model.sharding_strategy.name)
 
 
 class FinalLine(tqdm):
@@ -758,13 +794,13 @@ class FinalLine(tqdm):
         super().close()
 
 
-def progress_bar(loader, desc, colour):
-    """Rank 0's progress bar: live, coloured and cleared at the end on a terminal, as in the
-    tutorial; one line per loop when stderr is a file or a pipe (a log)."""
+def progress_bar(loader, desc, colour, leave, disable):
+    """train's and validation's bar: tqdm's (live, coloured, cleared at the end) on a terminal, as
+    in the tutorial; one line per loop when stderr is a file or a pipe (a log)."""
     PROGRESS["at"] = f" in {desc.removeprefix('r0 ')}"  # for the line of an interrupted run
     if sys.stderr.isatty():
-        return tqdm(loader, desc=desc, colour=colour, leave=False, disable=dist.get_rank() != 0)
-    return FinalLine(loader, desc=desc, disable=dist.get_rank() != 0)
+        return tqdm(loader, desc=desc, colour=colour, leave=leave, disable=disable)
+    return FinalLine(loader, desc=desc, disable=disable)
 
 
 def offload_to_cpu(model):
@@ -772,24 +808,6 @@ def offload_to_cpu(model):
     breaks the full state dict's gather in torch 2.11 ("setStorage: ... storage of size 0"; fine
     in 2.14): there every rank gets them. Remove it once requirements.txt asks for torch >= 2.14."""
     return next(model.parameters()).device.type != "cpu"
-
-
-@contextlib.contextmanager
-def written_whole(path, every_rank=False):
-    """Yields path.tmp to write a file or folder into, then renames it to path (replacing an older
-    one): a reader never meets a half-written one, and resume ignores *.tmp. Rank 0 clears and
-    renames; every_rank: all ranks write into it, with barriers around."""
-    tmp = f"{path}.tmp"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if every_rank:
-        dist.barrier()
-    yield tmp
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    if every_rank:
-        dist.barrier()
 
 
 def find_checkpoint(path):
@@ -863,7 +881,7 @@ def add_plan_flags(parser):
         "for --plan (default: the visible GPU's, else 80)")
 
 
-def planned(args):
+def exit_if_plan(args):
     """args, unless --plan: then print the plan (rank 0), write it to --metrics-json, exit 0."""
     if not args.plan:
         return args
@@ -1006,12 +1024,12 @@ def aligned(header, rows):
 
 
 # ==================================================================================================
-# Plumbing, not part of the lesson and the same, byte for byte, in all four scripts (checked by
-# tests/test_layout.py): rank-0 printing, one error line instead of a traceback per rank (bad
-# input, a full disk, a lost peer, Ctrl-C), output checks and locks, time and memory figures, the
-# metrics file, process-group set-up, launching, the flags every script has. It calls the
-# script's check_flags(args, device, world_size), main(args, device), parse_args() and
-# resume_hint(args), and quotes its MEMORY_ADVICE.
+# Plumbing, not part of the lesson: what the four scripts share, each function the same, byte for
+# byte, in every script that uses it (tests/test_layout.py): rank-0 printing, one error line
+# instead of a traceback per rank (bad input, a full disk, a lost peer, Ctrl-C), output checks,
+# time and memory figures, the metrics file, process-group set-up, launching, the flags every
+# script has. It calls the script's check_flags(args, device, world_size), main(args, device),
+# parse_args() and resume_hint(args), and quotes its MEMORY_ADVICE.
 # ==================================================================================================
 
 def rank0_print(*args, **kwargs):
@@ -1032,6 +1050,8 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
+
+
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
@@ -1097,12 +1117,11 @@ def space_problem(folder, needed, elsewhere):
 
 
 @contextlib.contextmanager
-def saving(path, state, elsewhere, copies=1, sharded=False):
-    """Around a save of state (a state dict, nested) to path, written `copies` times: first the
-    free space is checked (by rank 0; with sharded, where every rank writes its shards, by each
-    node's local rank 0 for its ranks' shards); then a failed write (a full disk, an I/O error)
-    stops every rank with one line, and the half-written path*.tmp are removed."""
-    needed = copies * state_bytes(state)
+def saving(path, needed, elsewhere, sharded=False):
+    """Around a save to path of `needed` bytes (rank 0's; with sharded, every rank's own shards):
+    first the free space is checked (by rank 0; sharded, by each node's local rank 0 for its
+    ranks' bytes); then a failed write (a full disk, an I/O error) stops every rank with one line,
+    and the half-written path*.tmp are removed."""
     if sharded:
         sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         dist.all_gather_object(sizes, needed)
@@ -1137,11 +1156,9 @@ def state_bytes(state):
 
 def write_problem(error, path, elsewhere):
     """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
-    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or a DCP
-    CheckpointException, which wraps each failed rank's exception and traceback: its root
-    cause's type and first sentence."""
-    failures = getattr(error, "failures", None)  # a CheckpointException
-    cause = next(iter(failures.values()))[0] if failures else error
+    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or the
+    root cause of a DCP CheckpointException: its type and first sentence."""
+    cause = root_cause(error)
     text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
     if not isinstance(cause, (OSError, RuntimeError)) or isinstance(
             cause, (dist.DistError, torch.OutOfMemoryError)) or re.search(
@@ -1157,6 +1174,28 @@ def write_problem(error, path, elsewhere):
             f"space there, or {elsewhere}")
 
 
+def root_cause(error):
+    """The exception behind a DCP CheckpointException (which holds each failed rank's exception
+    with its traceback), or the error itself."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
+
+
+def local_rank_zero_first(load):
+    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
+    caches are written once per node. A ValueError on any rank stops every rank with its text."""
+    result = None
+    for first in (True, False):
+        error = None
+        if (os.environ["LOCAL_RANK"] == "0") == first:
+            try:
+                result = load()
+            except ValueError as e:
+                error = str(e)
+        agree_on_error(error)
+    return result
+
+
 def stop_if_diverged(where, tensors, advice):
     """Fail on every rank, in one line, if any of the tensors (a loss, or a model's parameters) is
     NaN or infinite on any rank: a diverged run must not go on, nor save what it has become."""
@@ -1167,6 +1206,26 @@ def stop_if_diverged(where, tensors, advice):
     dist.all_reduce(bad)
     if bad:
         fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
+
+
+def strategy_to_use(strategy):
+    """The sharding strategy (its name) to give FSDP1: NO_SHARD where it has nothing to shard
+    with, said on rank 0. FSDP1 would switch a world size of 1 to NO_SHARD itself, with a warning;
+    and HYBRID_SHARD on nodes of one process each would reduce within each node only: each node
+    would train on its own."""
+    world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    alone = world_size == 1 or (local_world_size == 1 and strategy == "HYBRID_SHARD")
+    if strategy == "NO_SHARD" or not alone:
+        return strategy
+    rank0_print(f"{strategy} with one process{' per node' * (world_size > 1)}: NO_SHARD")
+    return "NO_SHARD"
+
+
+def full_state_bytes(model):
+    """The bytes save_model writes: the model's full fp32 state, each FSDP unit's unsharded size
+    (FSDP1's private _flat_param holds it; no public call gives it)."""
+    return 4 * sum(unit._flat_param._unpadded_unsharded_size.numel()
+                   for unit in FSDP.fsdp_modules(model) if unit._flat_param is not None)
 
 
 class Report:
@@ -1433,7 +1492,6 @@ def positive(kind, zero=False, most=math.inf):
         return value
     parse.__name__ = kind.__name__  # for argparse's "invalid int value: 'x'"
     return parse
-
 
 if __name__ == "__main__":
     launch(parse_args())

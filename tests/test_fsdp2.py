@@ -284,7 +284,7 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
     to a copy of the script, as an overflowing update would): the run fails rather than save that
     model, and the newest checkpoint stays the step before."""
     script = script_with_lines(
-        SCRIPT, tmp_path, " " * 37 + "args.grad_accum_steps, args.max_norm)\n",
+        SCRIPT, tmp_path, " " * 37 + "max_norm=args.max_norm)\n",
         "        if step == args.steps:\n"
         "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
     args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1]
@@ -294,9 +294,9 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
 
 
 def test_a_full_checkpoint_is_on_the_disk_before_its_marker(tmp_path):
-    """Each save fsyncs model.pt and optimizer.pt, then the COMPLETE marker, then the folder that
-    holds the rename: a power cut never leaves a marker without its data. (A copy of the script
-    logs every fsync; torch.save makes none of its own.)"""
+    """Each save fsyncs model.pt and optimizer.pt before it writes the COMPLETE marker, then the
+    marker and the folder that holds the rename: a power cut never leaves a marker without its
+    data. (A copy of the script logs every fsync; torch.save makes none of its own.)"""
     script = script_with_lines(SCRIPT, tmp_path, "import os\n", (
         "def fsync_logged(fd, fsync=os.fsync):\n"
         "    with open('fsync.log', 'a') as log:\n"
@@ -309,8 +309,8 @@ def test_a_full_checkpoint_is_on_the_disk_before_its_marker(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert (tmp_path / "fsync.log").read_text().split() == [
         str(path) for step in (1, 2) for path in (
-            *(ckpt / f"step_{step:06d}.tmp" / name for name in ("model.pt", "optimizer.pt",
-                                                                  "COMPLETE")), ckpt)]
+            *(ckpt / f"step_{step:06d}.tmp" / name for name in ("model.pt", "optimizer.pt")),
+            ckpt / f"step_{step:06d}" / "COMPLETE", ckpt)]
 
 
 def test_log_every_sets_the_printed_steps(fsdp2_reference):

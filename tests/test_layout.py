@@ -22,8 +22,10 @@ LESSONS = {
 FENCE = "# " + "=" * 98 + "\n# Plumbing"
 SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # Lines before the Safeguards fence (docstring and imports included): the lesson must not grow back
-# under the checks that protect it.
-BUDGETS = {"fsdp2_transformer.py": 450, "t5_fsdp_finetune.py": 420, "fsdp1_mnist.py": 250,
+# under the checks that protect it. fsdp2's is 30 above its first 450: its Checkpointer now holds
+# the whole plain recipe (temporary name, marker, rename, the background write's marking), which
+# the safeguards' subclass extends, where it used to call a folder class of the safeguards.
+BUDGETS = {"fsdp2_transformer.py": 480, "t5_fsdp_finetune.py": 420, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
@@ -56,6 +58,21 @@ def plumbing(script):
     return text[text.index(FENCE):]
 
 
+def top_level(source):
+    """{name: source text} of the top-level functions, classes and assignments in source."""
+    lines, found = source.splitlines(keepends=True), {}
+    for node in ast.parse(source).body:
+        start = (node.decorator_list[0].lineno if getattr(node, "decorator_list", None)
+                 else node.lineno)
+        text = "".join(lines[start - 1:node.end_lineno])
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found[node.name] = text
+        elif isinstance(node, ast.Assign):
+            found.update((target.id, text) for target in node.targets
+                         if isinstance(target, ast.Name))
+    return found
+
+
 def parts(script):
     """(lesson, safeguards) source text: before the Safeguards fence, and from it to Plumbing."""
     text = (REPO / script).read_text()
@@ -76,11 +93,71 @@ def definitions(source):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
 
 
-def test_plumbing_block_is_the_same_in_all_four_scripts():
-    blocks = {script: plumbing(script) for script in LESSONS}
-    assert len(set(blocks.values())) == 1, "the plumbing blocks differ: copy the fix to all four"
-    assert blocks["fsdp1_mnist.py"].rstrip().endswith('if __name__ == "__main__":\n'
-                                                      '    launch(parse_args())')
+def test_a_shared_function_is_the_same_in_every_script():
+    """The Plumbing is what the scripts share: a definition there is byte-identical in every
+    script that has it, and no other part of a script defines its name differently; each
+    script's Plumbing ends by launching."""
+    shared = {}
+    for script in LESSONS:
+        for name, text in top_level(plumbing(script).split("\n", 1)[1]).items():
+            shared.setdefault(name, {})[script] = text
+        assert plumbing(script).rstrip().endswith('if __name__ == "__main__":\n'
+                                                  '    launch(parse_args())'), script
+    differ = {name: sorted(texts) for name, texts in shared.items()
+              if len(set(texts.values())) > 1}
+    assert differ == {}, f"copy the fix to every script that has it: {differ}"
+    for script in LESSONS:
+        text = (REPO / script).read_text()
+        others = top_level(text[:text.index(FENCE)])
+        clash = sorted(name for name in others if name in shared)
+        assert clash == [], f"{script} defines shared names outside its Plumbing: {clash}"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_every_definition_is_used(script):
+    """No dead code: each top-level definition of a script is named somewhere else in it (the
+    Plumbing calls check_flags, main, parse_args and resume_hint, and quotes MEMORY_ADVICE)."""
+    text = (REPO / script).read_text()
+    tree = ast.parse(text)
+    named = {}
+    for node in tree.body:
+        defined = set(top_level(ast.unparse(node)) or ())
+        for inner in ast.walk(node):
+            name = (inner.id if isinstance(inner, ast.Name) else
+                    inner.attr if isinstance(inner, ast.Attribute) else None)
+            if name and name not in defined:
+                named[name] = named.get(name, 0) + 1
+    unused = sorted(name for name in top_level(text) if name not in named)
+    assert unused == [], f"{script}: {unused} are defined but never used"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_each_lesson_unit_copies_with_at_most_rank0_print(script):
+    """What ../shared/tools/copy_closure.py measures: following the names each top-level
+    definition of the lesson uses, transitively, the only definition below the Safeguards fence
+    it reaches is rank0_print, the one helper a unit may use."""
+    text = (REPO / script).read_text()
+    fence_line = text[:text.index(SAFEGUARDS)].count("\n") + 1
+    nodes = {}
+    for node in ast.parse(text).body:
+        for name in top_level(ast.unparse(node)):
+            nodes[name] = node
+
+    def names(node):
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & set(nodes)
+
+    for unit, node in nodes.items():
+        if node.lineno > fence_line or unit in ("main", "parse_args") or isinstance(
+                node, ast.Assign):
+            continue
+        seen, todo = set(), names(node) - {unit}
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo |= names(nodes[name]) - {unit}
+        below = sorted(name for name in seen if nodes[name].lineno > fence_line)
+        assert below in ([], ["rank0_print"]), f"{script}: {unit} needs {below}"
 
 
 @pytest.mark.parametrize("script", list(LESSONS))
@@ -117,13 +194,13 @@ def test_the_essential_calls_are_in_the_lesson(script):
 @pytest.mark.parametrize("script", list(LESSONS))
 def test_functions_take_the_values_they_use(script):
     """Only main, parse_args and the safeguards that check flags (check_*) take `args`, and
-    resume_hint(args), which the plumbing calls when Ctrl-C stops a run, and planned(args), the
-    planner's entry (--plan)."""
+    resume_hint(args), which the plumbing calls when Ctrl-C stops a run, and exit_if_plan(args),
+    the planner's entry (--plan)."""
     lesson, safeguards = parts(script)
     takers = []
     for part, allowed in ((lesson, lambda name: name in ("main", "parse_args")),
                           (safeguards, lambda name: name.startswith("check")
-                           or name in ("resume_hint", "planned"))):
+                           or name in ("resume_hint", "exit_if_plan"))):
         for node in ast.walk(ast.parse(part)):
             if isinstance(node, ast.FunctionDef) and not allowed(node.name):
                 if "args" in [a.arg for a in node.args.args + node.args.kwonlyargs]:
