@@ -24,6 +24,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -261,12 +262,11 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     quiet_known_warnings()  # library warnings and bars that say nothing a user can act on
 
     # 1. Load the model, tokenizer and data: each node's rank 0 first (downloads, caches).
-    on_meta = args.cpu_ram_efficient_loading and rank > 0  # only rank 0 loads the weights
+    on_meta = args.cpu_ram_efficient_loading and dist.get_rank() > 0  # rank 0 loads weights
     model, tokenizer = local_rank_zero_first(lambda: checked_model(args.model_name, on_meta))
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
@@ -313,7 +313,7 @@ def main(args, device):
     log.start()
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
-        torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + rank)
+        torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
         loss = train(model, train_loader, optimizer, scaler, epoch, device, bar=progress_bar)
         stop_if_diverged(f"the loss of epoch {epoch}", [torch.tensor(loss)], DIVERGED)
         state["train_losses"].append(loss)
@@ -432,7 +432,6 @@ import math
 import multiprocessing.connection
 import re
 import resource
-import shutil
 import signal
 import socket
 import sys

@@ -1,0 +1,218 @@
+"""Each lesson unit runs when copied alone: a reader who copies a piece (the sharding function, the
+step, the checkpointer, the export) gets working code. For each script, the units a driver uses
+are cut out of the lesson with the lesson's imports and the one helper a unit may use
+(rank0_print), and nothing below the Safeguards fence; a 2-rank gloo job under torchrun then does
+a small real thing with them: a step whose loss is finite, a save then a load that round-trips
+bit-identically, an export that from_pretrained opens. A unit that calls a safeguard fails here
+with a NameError (the last test shows it)."""
+import ast
+import shutil
+
+import pytest
+from conftest import REPO, run_command, torchrun_command
+
+FENCE = "# " + "=" * 98 + "\n"
+
+
+def lesson_copy(script, units, text=None):
+    """The source of a new file holding the lesson's imports, rank0_print, and the units named
+    with the lesson's definitions they use (what a reader copies along), in the script's order."""
+    text = text or (REPO / script).read_text()
+    lesson = text[:text.index(FENCE + "# Safeguards")]
+    plumbing = text[text.index(FENCE + "# Plumbing"):]
+    lines = lesson.splitlines(keepends=True)
+    imports, definitions = [], {}
+    for node in ast.parse(lesson).body:
+        start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else (
+            node.lineno)
+        source = "".join(lines[start - 1:node.end_lineno])
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports.append(source)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            definitions[node.name] = (node, source)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                definitions[target.id] = (node, source)
+    wanted, todo = set(), list(units)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += [n.id for n in ast.walk(definitions[name][0])
+                     if isinstance(n, ast.Name) and n.id in definitions]
+    rank0_print = source_of(plumbing, "rank0_print")
+    kept = dict.fromkeys(source for name, (_, source) in definitions.items() if name in wanted)
+    return "".join(imports) + "\n\n" + rank0_print + "\n\n" + "\n\n".join(kept) + "\n"
+
+
+def source_of(text, name):
+    """The source of the top-level function `name` in text."""
+    lines = text.splitlines(keepends=True)
+    node = next(node for node in ast.parse(text).body
+                if isinstance(node, ast.FunctionDef) and node.name == name)
+    return "".join(lines[node.lineno - 1:node.end_lineno])
+
+
+def run_copy(tmp_path, script, units, driver, *args, text=None):
+    """Write the copy of units plus driver into tmp_path/lesson_copy.py; run it on 2 ranks."""
+    (tmp_path / "lesson_copy.py").write_text(lesson_copy(script, units, text) + driver)
+    result = run_command(torchrun_command(tmp_path / "lesson_copy.py", args, 2), tmp_path, timeout=300)
+    return result
+
+
+SETUP = """
+import sys
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+"""
+
+FSDP2_DRIVER = SETUP + """
+from torch.distributed.tensor import DTensor
+
+
+def same(a, b):
+    a = a.full_tensor() if isinstance(a, DTensor) else a
+    b = b.full_tensor() if isinstance(b, DTensor) else b
+    return torch.equal(a, b)
+
+
+config = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, seq_len=16)
+mesh = init_device_mesh("cpu", (2,))
+model = shard_model(config, torch.device("cpu"), mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+batch = rank_batch(task_rules(64, 0), 8, 16, 0, rank, 2, 1)
+loss, grad_norm = train_step(model, optimizer, batch)
+assert torch.isfinite(loss) and torch.isfinite(grad_norm), (loss, grad_norm)
+for name, options in [("full", {}), ("full, DCP API", {"dcp_api": True}),
+                      ("sharded", {"checkpoint_format": "sharded"}),
+                      ("sharded async", {"checkpoint_format": "sharded", "async_save": True})]:
+    folder = sys.argv[1] + "/" + name.replace(" ", "_").replace(",", "")
+    saver = Checkpointer(folder, config, **options)
+    saver.save(model, optimizer, step=1)
+    saver.wait()
+    torch.manual_seed(1)  # another initialization, then the checkpoint's state
+    fresh = shard_model(config, torch.device("cpu"), mesh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
+    assert Checkpointer(folder, config, **options).load(fresh, fresh_optimizer) == 1, name
+    assert all(same(a, b) for a, b in zip(model.parameters(), fresh.parameters())), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        state, loaded = optimizer.state[p], fresh_optimizer.state[q]
+        assert state.keys() == loaded.keys() and all(same(state[k], loaded[k]) for k in state)
+rank0_print("copied units: step and round trips ok")
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_units_run_copied_alone(tmp_path):
+    run = run_copy(tmp_path, "fsdp2_transformer.py",
+                   ["shard_model", "train_step", "Checkpointer", "rank_batch", "task_rules"],
+                   FSDP2_DRIVER, tmp_path)
+    assert run.returncode == 0 and "round trips ok" in run.stdout, run.output
+
+
+MNIST_DRIVER = SETUP + """
+from torch.utils.data import TensorDataset
+
+images, labels = torch.randn(96, 1, 28, 28), torch.randint(0, 10, (96,))
+data = TensorDataset(images, labels)
+loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, shuffle=True, seed=0))
+test_loader = DataLoader(data, batch_size=50, sampler=DistributedSampler(data, shuffle=False))
+model = wrap_model(Net(), torch.device("cpu"), **WRAP)
+optimizer = optim.Adadelta(model.parameters(), lr=1.0)
+loss = train(model, torch.device("cpu"), loader, optimizer, epoch=1, dry_run=False)
+test_loss, accuracy = test(model, torch.device("cpu"), test_loader, dry_run=False)
+assert loss == loss and test_loss == test_loss and 0 <= accuracy <= 1
+path = sys.argv[1] + "/mnist_cnn.pt"
+save_model(model, path)
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                            cpu_offload=True))
+if rank == 0:
+    plain = Net()
+    plain.load_state_dict(torch.load(path, weights_only=True))
+    assert all(torch.equal(value, full[key]) for key, value in plain.state_dict().items())
+rank0_print("copied units: train, test, save and load ok")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("script, wrap", [
+    ("fsdp1_mnist.py", "dict(auto_wrap_min_params=20000, sharding_strategy='FULL_SHARD', "
+                       "cpu_offload=False, backward_prefetch='BACKWARD_PRE', "
+                       "use_orig_params=False)"),
+    ("ddp_mnist.py", "{}"),
+])
+def test_mnist_units_run_copied_alone(tmp_path, script, wrap):
+    run = run_copy(tmp_path, script, ["Net", "wrap_model", "train", "test", "save_model"],
+                   f"WRAP = {wrap}\n" + MNIST_DRIVER, tmp_path)
+    assert run.returncode == 0 and "save and load ok" in run.stdout, run.output
+
+
+T5_DRIVER = SETUP + """
+device = torch.device("cpu")
+model_dir, data_dir, out = sys.argv[1:4]
+model, tokenizer = load_model_and_tokenizer(model_dir)
+train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
+loader = DataLoader(train_set, batch_size=4, sampler=DistributedSampler(train_set, seed=0))
+val_loader = DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))
+
+
+def wrapped(model):
+    return wrap_model(model, device, sharding_strategy="FULL_SHARD",
+                      mixed_precision=POLICIES[mixed_precision_choice("fp32", device)],
+                      backward_prefetch="BACKWARD_PRE", limit_all_gathers=True,
+                      activation_checkpointing=True)
+
+
+model = wrapped(model)
+optimizer = optim.AdamW(model.parameters(), lr=0.002)
+scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+loss = train(model, loader, optimizer, None, epoch=1, device=device)
+val_loss = validation(model, val_loader, device)
+assert loss == loss and val_loss == val_loss
+scheduler.step()
+export_model(model, tokenizer, out + "/best")
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                            cpu_offload=False))
+if rank == 0:
+    opened = T5ForConditionalGeneration.from_pretrained(out + "/best-hf").state_dict()
+    assert all(torch.equal(opened[key], value) for key, value in full.items())
+    T5Tokenizer.from_pretrained(out + "/best-hf")
+state = {"epoch": 1, "scheduler": scheduler.state_dict()}
+save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")
+fresh = wrapped(load_model_and_tokenizer(model_dir)[0])
+fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
+fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
+loaded = load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer,
+                                 fresh_scheduler, None)
+again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=False))
+assert loaded["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+assert all(torch.equal(again[key], value) for key, value in full.items())
+rank0_print("copied units: train, validation, export and round trip ok")
+dist.destroy_process_group()
+"""
+
+
+def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, wikihow_dir):
+    shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
+    units = ["load_model_and_tokenizer", "load_data", "wrap_model", "mixed_precision_choice",
+             "POLICIES", "train", "validation", "export_model", "save_sharded_checkpoint",
+             "load_sharded_checkpoint"]
+    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER, tiny_t5_dir, wikihow_dir,
+                   tmp_path)
+    assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
+    assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_unit_that_calls_a_safeguard_does_not_run_copied(tmp_path):
+    """The check above catches what it is for: train_step made to call a safeguard (describe_fsdp)
+    fails in its copy, where the safeguards are not."""
+    text = (REPO / "fsdp2_transformer.py").read_text()
+    step = "    optimizer.zero_grad()\n"
+    assert step in text
+    broken = text.replace(step, step + "    describe_fsdp(model)\n", 1)
+    run = run_copy(tmp_path, "fsdp2_transformer.py",
+                   ["shard_model", "train_step", "Checkpointer", "rank_batch", "task_rules"],
+                   FSDP2_DRIVER, tmp_path, text=broken)
+    assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output
