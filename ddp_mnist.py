@@ -335,7 +335,7 @@ def check_outputs(args, folders, files=None):
     for flag, path in files.items():
         if path and os.path.isdir(path):
             error = f"{flag}: {path} is a folder; pass a file's path"
-        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+        folders.setdefault(flag, os.path.dirname(os.path.abspath(path)) if path else None)
     for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:

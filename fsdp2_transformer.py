@@ -709,7 +709,9 @@ class CheckedCheckpointer(Checkpointer):
                      or f"cannot write checkpoint {self.path} ({one_line(root_cause(e))})")
             if dist.get_rank() == 0:
                 shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
-        agree_on_error(error and f"{error}; {last_checkpoint(self.folder)}")
+        if error:
+            error = f"{error}; {last_checkpoint(self.folder)}"
+        agree_on_error(error)
 
     def load(self, model, optimizer):
         """The lesson's load, once rank 0 has found that the newest complete checkpoint's marker
@@ -723,7 +725,7 @@ class CheckedCheckpointer(Checkpointer):
                     rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER} marker)")
             self.path = newest_checkpoint(self.folder)
             shapes = {name: p.shape for name, p in model.named_parameters()}
-            error = self.path and checkpoint_problem(self.path, shapes, self.config)
+            error = checkpoint_problem(self.path, shapes, self.config) if self.path else None
         agree_on_error(error)
         if newest_checkpoint(self.folder) is None:
             rank0_print(f"No checkpoint in {self.given}: starting from step 0")
@@ -1254,7 +1256,7 @@ def check_outputs(args, folders, files=None):
     for flag, path in files.items():
         if path and os.path.isdir(path):
             error = f"{flag}: {path} is a folder; pass a file's path"
-        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+        folders.setdefault(flag, os.path.dirname(os.path.abspath(path)) if path else None)
     for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:

@@ -104,8 +104,8 @@ def read_articles(data_dir, split, num_samples=None):
                                       na_filter=False, features=features)
     except Exception as e:
         reason = " ".join(str(e.__cause__ or e).split())
-        raise WikiHowError(f"cannot parse {path} as CSV ({reason[:300]}); download it again") \
-            from None
+        raise WikiHowError(
+            f"cannot parse {path} as CSV ({reason[:300]}); download it again") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 

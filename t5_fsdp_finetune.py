@@ -830,14 +830,15 @@ def find_resumable(resume, save_dir):
     dist.broadcast_object_list(box, src=0)
     if resume == "auto" and not box[0]:
         rank0_print(f"No checkpoint in {os.path.abspath(save_dir)} yet: starting from epoch 1")
-    return box[0] and os.path.abspath(box[0])
+    return os.path.abspath(box[0]) if box[0] else None
 
 
 def check_before_training(args):
     """--save-dir is checked, and made, only once the inputs are: bad input leaves nothing behind.
     With sharded checkpoints, rank 0 locks --save-dir for this job; --overwrite (which
     checkpoint_problem asked for) deletes an earlier run's checkpoints."""
-    check_outputs(args, {"--save-dir": args.save_model and os.path.abspath(args.save_dir)})
+    check_outputs(args, {"--save-dir": os.path.abspath(args.save_dir) if args.save_model
+                         else None})
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return
     lock_folder("--save-dir", args.save_dir)
@@ -1071,7 +1072,7 @@ def check_outputs(args, folders, files=None):
     for flag, path in files.items():
         if path and os.path.isdir(path):
             error = f"{flag}: {path} is a folder; pass a file's path"
-        folders.setdefault(flag, path and os.path.dirname(os.path.abspath(path)))
+        folders.setdefault(flag, os.path.dirname(os.path.abspath(path)) if path else None)
     for flag, folder in folders.items() if dist.get_rank() == 0 else ():
         try:
             if folder and not error:

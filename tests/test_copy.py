@@ -55,9 +55,9 @@ def source_of(text, name):
 
 def run_copy(tmp_path, script, units, driver, *args, text=None):
     """Write the copy of units plus driver into tmp_path/lesson_copy.py; run it on 2 ranks."""
-    (tmp_path / "lesson_copy.py").write_text(lesson_copy(script, units, text) + driver)
-    result = run_command(torchrun_command(tmp_path / "lesson_copy.py", args, 2), tmp_path, timeout=300)
-    return result
+    copy = tmp_path / "lesson_copy.py"  # not copy.py, which would hide the standard module
+    copy.write_text(lesson_copy(script, units, text) + driver)
+    return run_command(torchrun_command(copy, args, 2), tmp_path, timeout=300)
 
 
 SETUP = """
