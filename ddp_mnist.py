@@ -140,11 +140,11 @@ def main(args, device):
     # 4. The optimizer, over the replica's parameters; lr decays every epoch.
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
     # 5. Train and test, epoch by epoch.
     report, train_losses = Report(args, device), []
     for epoch in range(1, args.epochs + 1):
         train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
-        stop_if_diverged(f"the loss of epoch {epoch}", [torch.tensor(train_losses[-1])], DIVERGED)
         test_loss, accuracy = test(model, device, test_loader, args.dry_run)
         scheduler.step()
         report.lap()
@@ -449,6 +449,22 @@ def stop_if_diverged(where, tensors, advice):
     dist.all_reduce(bad)
     if bad:
         fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
+
+
+def stop_on_non_finite_gradients(optimizer, advice):
+    """From now on, before each optimizer step, check that every gradient is finite on every rank,
+    else stop every rank in one line before the update carries NaN into the weights: a diverged
+    run must not go on. Through the optimizer's step hook, so that the training loop stays plain
+    (under a grad scaler, steps with inf gradients are skipped before the hook)."""
+    steps = []
+
+    def check(optimizer, args, kwargs):
+        steps.append(None)
+        gradients = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+        stop_if_diverged(f"a gradient of optimizer step {len(steps)}", gradients, advice)
+
+    optimizer.register_step_pre_hook(check)
 
 
 class Report:

@@ -298,6 +298,7 @@ def main(args, device):
     optimizer = optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
+    stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
 
     # 4. Resume from the sharded checkpoint that --resume names (auto: the newest in --save-dir).
     checkpoint = find_resumable(args.resume, args.save_dir)  # checked by check_flags
@@ -314,9 +315,8 @@ def main(args, device):
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
-        loss = train(model, train_loader, optimizer, scaler, epoch, device, bar=progress_bar)
-        stop_if_diverged(f"the loss of epoch {epoch}", [torch.tensor(loss)], DIVERGED)
-        state["train_losses"].append(loss)
+        state["train_losses"].append(train(model, train_loader, optimizer, scaler, epoch, device,
+                                           bar=progress_bar))
         log.trained()
         val_loss = None
         if val_loader:
@@ -1206,6 +1206,22 @@ def stop_if_diverged(where, tensors, advice):
     dist.all_reduce(bad)
     if bad:
         fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
+
+
+def stop_on_non_finite_gradients(optimizer, advice):
+    """From now on, before each optimizer step, check that every gradient is finite on every rank,
+    else stop every rank in one line before the update carries NaN into the weights: a diverged
+    run must not go on. Through the optimizer's step hook, so that the training loop stays plain
+    (under a grad scaler, steps with inf gradients are skipped before the hook)."""
+    steps = []
+
+    def check(optimizer, args, kwargs):
+        steps.append(None)
+        gradients = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+        stop_if_diverged(f"a gradient of optimizer step {len(steps)}", gradients, advice)
+
+    optimizer.register_step_pre_hook(check)
 
 
 def strategy_to_use(strategy):
