@@ -179,11 +179,13 @@ def test_a_resume_on_one_process_prints_no_warning(t5_reference, torchrun, tiny_
 
 
 def test_what_a_run_would_write_over_is_refused_before_the_model_loads(
-        t5_reference, fsdp2_reference, tiny_t5_dir, wikihow_dir, tmp_path):
+        t5_reference, fsdp2_reference, tiny_t5_dir, wikihow_dir, tmp_path, help_text):
     """--save-dir and --resume are checked from their files alone, before any process starts or a
     model is loaded: each refusal is one line within 5 s of a 2-rank run, with no warning or leak
     report, and writes nothing. (They came after loading and wrapping the model, ending with the
-    resource tracker's leaked-semaphore warning.)"""
+    resource tracker's leaked-semaphore warning.) The timed runs start from the script's worker
+    server as the others do, so it is started first (by --help)."""
+    help_text(SCRIPT)
     earlier_run = tmp_path / "earlier_run"
     shutil.copytree(t5_reference.cwd / "checkpoint-epoch-1", earlier_run / "checkpoint-epoch-1")
     epoch_2 = t5_reference.cwd / "checkpoint-epoch-2"
