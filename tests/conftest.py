@@ -13,7 +13,7 @@ import datasets
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
-from forked_torchrun import forked_python, forked_torchrun
+from forked_torchrun import SWITCH, forked_python, forked_torchrun, forks, torchrun_hook_as_expected
 from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,9 +166,10 @@ def run_command(command, cwd, timeout, env=None):
         command += ["--metrics-json", str(metrics_path)]
     metrics_path.unlink(missing_ok=True)  # never read an earlier run's metrics
     env = {**os.environ, **(env or {})}
-    if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
+    fork = forks(env)  # else every process is a new one, as torchrun and python start them
+    if fork and command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
         returncode, stdout, stderr = forked_torchrun(command[len(TORCHRUN):], cwd, timeout, env)
-    elif command[0] == sys.executable and command[1].endswith(".py") and (
+    elif fork and command[0] == sys.executable and command[1].endswith(".py") and (
             forked := forked_python(command[1:], cwd, timeout, env)):
         returncode, stdout, stderr = forked
     else:
@@ -177,6 +178,14 @@ def run_command(command, cwd, timeout, env=None):
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
     return Run(returncode, stdout, stderr, metrics, Path(cwd))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The one sign that forks() fell back to new processes by itself (no warning: the tests
+    assert that runs print none)."""
+    if os.environ.get(SWITCH) != "0" and not torchrun_hook_as_expected():
+        terminalreporter.write_line("Every run was a new process: torchrun's SubprocessHandler is "
+                                    "not what tests/forked_torchrun.py expects (tests/README.md)")
 
 
 # `python -m torch.distributed.run`, with one difference that only makes it exit sooner: it freezes

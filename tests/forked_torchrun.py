@@ -18,10 +18,16 @@ the suite is CPU-bound, so that was most of its time. What runs is unchanged:
 test_faults starts a ForkedAgent in the background and kills or stops its workers (it lists them).
 Tests that signal a launcher (test_edges) start TORCHRUN as a command: everything is then a new
 process. This module stays small: each forked agent imports it.
+
+Every run is a new process instead (forks() is False; NewAgent stands for ForkedAgent) with
+FSDP_TESTS_FORK=0, or when torchrun's private hook is not what fork_workers_from replaces
+(hook_as_expected): the suite then passes as it would without this module, only slower.
 """
 import ast
 import atexit
+import functools
 import importlib
+import inspect
 import io
 import multiprocessing
 import os
@@ -40,6 +46,38 @@ from pathlib import Path
 
 AGENTS = multiprocessing.get_context("forkserver")
 AGENTS.set_forkserver_preload(["torch.distributed.run", "forked_torchrun"])
+SWITCH = "FSDP_TESTS_FORK"  # FSDP_TESTS_FORK=0: every run is a new process
+# the module of the private hook that fork_workers_from replaces
+HANDLER_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
+
+
+def forks(env):
+    """Whether a run with env is forked: not with FSDP_TESTS_FORK=0 in env, nor when torchrun's
+    hook is not what this module expects (then every run of the session is a new process)."""
+    return env.get(SWITCH) != "0" and torchrun_hook_as_expected()
+
+
+@functools.cache
+def torchrun_hook_as_expected():
+    """hook_as_expected for the installed torch, checked once per session."""
+    try:
+        module = importlib.import_module(HANDLER_MODULE)
+    except ImportError:
+        return False
+    return hook_as_expected(getattr(module, "SubprocessHandler", None))
+
+
+def hook_as_expected(handler):
+    """Whether handler (torchrun's SubprocessHandler class) is what fork_workers_from replaces: a
+    _popen(self, args, env) that __init__ calls, after opening self._stdout and self._stderr (the
+    files a forked worker writes to). A private method can change in any torch release."""
+    try:
+        parameters = list(inspect.signature(handler._popen).parameters)
+        init = inspect.getsource(handler.__init__)
+    except (AttributeError, TypeError, ValueError, OSError):  # missing, or not Python source
+        return False
+    return parameters == ["self", "args", "env"] and all(
+        f"self.{name}" in init for name in ("_stdout", "_stderr", "_popen("))
 
 
 def forked_torchrun(args, cwd, timeout, env):
@@ -92,6 +130,32 @@ class ForkedAgent:
 
     def kill(self):
         self.process.kill()
+
+
+class NewAgent(subprocess.Popen):
+    """ForkedAgent where forks() is False: the torchrun command as a new process (Popen) writing
+    to the files at outputs, and workers(), which finds them as a test did before forks."""
+
+    def __init__(self, command, cwd, env, outputs):
+        with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
+            super().__init__([str(arg) for arg in command], cwd=cwd, env=env, stdout=stdout,
+                             stderr=stderr)
+
+    def workers(self):
+        """{rank: pid} of its children with RANK in the environment they were started with: its
+        workers (a restart's replace the first, which are gone by then)."""
+        found = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:  # after the command name: state, parent
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            except OSError:  # gone meanwhile
+                continue
+            if parent == self.pid and b"RANK" in env:
+                found[int(env[b"RANK"])] = int(pid)
+        return found
 
 
 def forked_python(args, cwd, timeout, env):
@@ -188,8 +252,7 @@ def imports_read(env):
 def fork_workers_from(server, started):
     """Make torchrun's SubprocessHandler fork `python -u <script_name> ...` from the server
     (address, script name), if any; and note each worker's rank and pid in the file `started`."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
-
+    subprocess_handler = importlib.import_module(HANDLER_MODULE)
     new_process = subprocess_handler.SubprocessHandler._popen
 
     def _popen(handler, args, env):

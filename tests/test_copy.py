@@ -7,6 +7,7 @@ bit-identically, an export that from_pretrained opens. A unit that calls a safeg
 with a NameError (the last test shows it)."""
 import ast
 import shutil
+import textwrap
 
 import pytest
 from conftest import REPO, run_command, torchrun_command
@@ -60,14 +61,16 @@ def run_copy(tmp_path, script, units, driver, *args, text=None):
     return run_command(torchrun_command(copy, args, 2), tmp_path, timeout=300)
 
 
-SETUP = """
-import sys
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)
-"""
+def job(body):
+    """The driver's code: body run as a function on every rank, so that its models are freed
+    before the process group is (as the scripts' plumbing does: FSDP's reference cycles keep the
+    group alive, and gloo's threads can abort an exit that frees it late)."""
+    return ("import gc\nimport sys\n\n\ndef job():\n    rank = dist.get_rank()\n"
+            + textwrap.indent(body, "    ") + "\n\ndist.init_process_group('gloo')\n"
+            "torch.manual_seed(0)\njob()\ngc.collect()\ndist.destroy_process_group()\n")
 
-FSDP2_DRIVER = SETUP + """
+
+FSDP2_DRIVER = job("""
 from torch.distributed.tensor import DTensor
 
 
@@ -91,6 +94,7 @@ for name, options in [("full", {}), ("full, DCP API", {"dcp_api": True}),
     saver = Checkpointer(folder, config, **options)
     saver.save(model, optimizer, step=1)
     saver.wait()
+    dist.barrier()  # rank 0 has marked it complete: the other ranks may look for it now
     torch.manual_seed(1)  # another initialization, then the checkpoint's state
     fresh = shard_model(config, torch.device("cpu"), mesh)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
@@ -100,8 +104,7 @@ for name, options in [("full", {}), ("full, DCP API", {"dcp_api": True}),
         state, loaded = optimizer.state[p], fresh_optimizer.state[q]
         assert state.keys() == loaded.keys() and all(same(state[k], loaded[k]) for k in state)
 rank0_print("copied units: step and round trips ok")
-dist.destroy_process_group()
-"""
+""")
 
 
 def test_fsdp2_units_run_copied_alone(tmp_path):
@@ -111,7 +114,7 @@ def test_fsdp2_units_run_copied_alone(tmp_path):
     assert run.returncode == 0 and "round trips ok" in run.stdout, run.output
 
 
-MNIST_DRIVER = SETUP + """
+MNIST_DRIVER = job("""
 from torch.utils.data import TensorDataset
 
 images, labels = torch.randn(96, 1, 28, 28), torch.randint(0, 10, (96,))
@@ -132,8 +135,7 @@ if rank == 0:
     plain.load_state_dict(torch.load(path, weights_only=True))
     assert all(torch.equal(value, full[key]) for key, value in plain.state_dict().items())
 rank0_print("copied units: train, test, save and load ok")
-dist.destroy_process_group()
-"""
+""")
 
 
 @pytest.mark.parametrize("script, wrap", [
@@ -148,7 +150,7 @@ def test_mnist_units_run_copied_alone(tmp_path, script, wrap):
     assert run.returncode == 0 and "save and load ok" in run.stdout, run.output
 
 
-T5_DRIVER = SETUP + """
+T5_DRIVER = job("""
 device = torch.device("cpu")
 model_dir, data_dir, out = sys.argv[1:4]
 model, tokenizer = load_model_and_tokenizer(model_dir)
@@ -179,7 +181,7 @@ if rank == 0:
     assert all(torch.equal(opened[key], value) for key, value in full.items())
     T5Tokenizer.from_pretrained(out + "/best-hf")
 state = {"epoch": 1, "scheduler": scheduler.state_dict()}
-save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")
+save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")  # ends in a barrier
 fresh = wrapped(load_model_and_tokenizer(model_dir)[0])
 fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
 fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
@@ -190,8 +192,7 @@ again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=Tru
 assert loaded["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
 assert all(torch.equal(again[key], value) for key, value in full.items())
 rank0_print("copied units: train, validation, export and round trip ok")
-dist.destroy_process_group()
-"""
+""")
 
 
 def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, wikihow_dir):

@@ -21,15 +21,17 @@ from conftest import (
     t5_args,
     torchrun_command,
 )
-from forked_torchrun import ForkedAgent
+from forked_torchrun import ForkedAgent, NewAgent, forks
 
 
 def launch(cwd, script, *args, max_restarts=0):
-    """Start torchrun (2 processes) in the background, forked as run_command's are; its output
-    goes to cwd/stdout.txt and cwd/stderr.txt."""
+    """Start torchrun (2 processes) in the background, forked as run_command's are (as new
+    processes when forks are off); its output goes to cwd/stdout.txt and cwd/stderr.txt."""
     command = torchrun_command(script, [*args, "--metrics-json", "metrics.json"], 2, max_restarts)
-    return ForkedAgent(command[len(TORCHRUN):], cwd, dict(os.environ),
-                       (cwd / "stdout.txt", cwd / "stderr.txt"))
+    outputs = (cwd / "stdout.txt", cwd / "stderr.txt")
+    if forks(os.environ):
+        return ForkedAgent(command[len(TORCHRUN):], cwd, dict(os.environ), outputs)
+    return NewAgent(command, cwd, dict(os.environ), outputs)
 
 
 def wait_for(condition, timeout, what):

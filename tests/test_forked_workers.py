@@ -1,11 +1,16 @@
 """The suite's own machinery: a worker forked from a server (forked_torchrun.py) sees what a new
-Python process sees, under torchrun and under plain python, and ends the same way."""
+Python process sees, under torchrun and under plain python, and ends the same way; with forks
+switched off (FSDP_TESTS_FORK=0), or torchrun's hook changed, every run is a new process."""
+import functools
+import importlib
 import json
 import subprocess
 import sys
 
+import forked_torchrun
 import pytest
-from conftest import run_command, script_with_lines, torchrun_command
+from conftest import FSDP2_TINY, run_command, script_with_lines, torchrun_command
+from forked_torchrun import SWITCH, hook_as_expected
 
 # Put after the script's imports: what the script sees of its process, then exit status 3 once
 # every rank has written its facts (torchrun stops the other workers when one exits non-zero: a
@@ -64,3 +69,69 @@ def test_a_forked_worker_sees_what_a_new_process_sees(tmp_path, launcher):
     if launcher == "python":  # forked: in its own session, unbuffered (no output is lost)
         forked[2][0].update(own_session=False, unbuffered=new[2][0]["unbuffered"])
     assert forked == new
+
+
+def torch_imports(stderr):
+    """How many of a run's processes imported torch, from PYTHONPROFILEIMPORTTIME's lines
+    ("import time: self | cumulative | module"): a forked process has it already."""
+    return sum(line.startswith("import time:") and line.rsplit("|", 1)[1].strip() == "torch"
+               for line in stderr.splitlines())
+
+
+def test_with_forks_switched_off_a_run_is_new_processes_with_the_same_losses(tmp_path):
+    """FSDP_TESTS_FORK=0 in a run's environment: torchrun and its workers start as new Pythons
+    (each imports torch, which PYTHONPROFILEIMPORTTIME shows) and learn as the forked run does."""
+    command = torchrun_command("fsdp2_transformer.py", [*FSDP2_TINY, "--steps", 2], 2)
+    forked = run_command(command, tmp_path, timeout=120)
+    new = run_command(command, tmp_path, timeout=120,
+                      env={SWITCH: "0", "PYTHONPROFILEIMPORTTIME": "1"})
+    assert forked.returncode == new.returncode == 0, new.output
+    # torchrun's agent and both workers imported torch: none was forked (a forked agent's workers
+    # are new processes only when the run's environment differs, as here: 2 at most)
+    assert torch_imports(new.stderr) == 3, new.stderr
+    assert new.metrics["losses"] == forked.metrics["losses"]
+
+
+class Handler:
+    """Shaped as torchrun's SubprocessHandler is where fork_workers_from replaces _popen (never
+    made: hook_as_expected reads only its source and signatures)."""
+
+    def __init__(self, args, env, stdout, stderr):
+        self._stdout, self._stderr = stdout, stderr  # the files a worker writes to
+        self.proc = self._popen(args, env)
+
+    def _popen(self, args, env):
+        return subprocess.Popen(args, env=env, stdout=self._stdout, stderr=self._stderr)
+
+
+class RenamedOutputs(Handler):
+    def __init__(self, args, env, stdout, stderr):
+        self.stdout, self.stderr = stdout, stderr
+        self.proc = self._popen(args, env)
+
+
+@pytest.mark.parametrize("handler", [
+    type("Handler", (), {"__init__": Handler.__init__}),
+    type("Handler", (Handler,), {"_popen": lambda self, args, env, options: None}),
+    type("Handler", (Handler,), {"_popen": lambda self, command, env: None}),
+    type("Handler", (Handler,), {"_popen": staticmethod(lambda args, env: None)}),
+    RenamedOutputs,
+], ids=["_popen missing", "_popen(self, args, env, options)", "_popen(self, command, env)",
+        "static _popen(args, env)", "_stdout and _stderr renamed"])
+def test_the_hook_check_refuses_a_changed_handler(handler):
+    assert hook_as_expected(Handler)
+    assert not hook_as_expected(handler)
+
+
+def test_when_torchruns_hook_changes_every_run_is_a_new_process(tmp_path, monkeypatch):
+    """The installed SubprocessHandler's _popen given another signature: the session's check, made
+    again here, fails, and run_command starts torchrun and its workers as new processes."""
+    handler = importlib.import_module(forked_torchrun.HANDLER_MODULE).SubprocessHandler
+    monkeypatch.setattr(handler, "_popen", lambda self, args, env, options: None)
+    assert not hook_as_expected(handler)
+    check = functools.cache(forked_torchrun.torchrun_hook_as_expected.__wrapped__)
+    monkeypatch.setattr(forked_torchrun, "torchrun_hook_as_expected", check)
+    run = run_command(torchrun_command("fsdp2_transformer.py", ["--help"], 2), tmp_path,
+                      timeout=60, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert run.returncode == 0 and run.stdout.count("usage:") == 2, run.output
+    assert torch_imports(run.stderr) == 3, run.stderr  # forked: 2 (new workers, as env differs)
