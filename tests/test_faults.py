@@ -59,7 +59,7 @@ def running_workers(agent, nproc=2):
 def exited(pid):
     try:
         return proc_stat(pid)[0] == "Z"  # a zombie: exited, not yet reaped
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped, before or while /proc was read
         return True
 
 
