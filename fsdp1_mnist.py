@@ -182,7 +182,7 @@ def main(args, device):
     if checkpoint:
         stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
         with saving(checkpoint, full_state_bytes(model), "run it in another folder"):
-            save_model(model, checkpoint, cpu_offload=offload_state_dict(model))
+            save_model(model, checkpoint, cpu_offload=offload_to_cpu(model))
     report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint,
                  sharding_strategy=model.sharding_strategy.name,
@@ -359,15 +359,6 @@ def describe_fsdp(model):
         total = flat._unpadded_unsharded_size.numel() if flat is not None else 0
         rank0_print(f"  {name} ({type(unit.module).__name__}): {total:,} parameters, "
                     f"{flat.numel() if flat is not None else 0:,} on rank 0")
-
-
-def offload_state_dict(model):
-    """Whether save_model's gather offloads the full tensors to the CPU (only rank 0's).
-
-    Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
-    the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every rank
-    gets them. Remove it (always True) once requirements.txt asks for torch >= 2.14."""
-    return next(model.parameters()).device.type != "cpu"
 
 
 # ==================================================================================================
@@ -557,6 +548,15 @@ def full_state_bytes(model):
     (FSDP1's private _flat_param holds it; no public call gives it)."""
     return 4 * sum(unit._flat_param._unpadded_unsharded_size.numel()
                    for unit in FSDP.fsdp_modules(model) if unit._flat_param is not None)
+
+
+def offload_to_cpu(model):
+    """Whether a full state dict's gather offloads the tensors to the CPU (only rank 0's).
+
+    Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
+    the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every rank
+    gets them. Remove it (always True) once requirements.txt asks for torch >= 2.14."""
+    return next(model.parameters()).device.type != "cpu"
 
 
 class Report:

@@ -802,11 +802,7 @@ def progress_bar(loader, desc, colour, leave, disable):
     return FinalLine(loader, desc=desc, disable=disable)
 
 
-def offload_to_cpu(model):
-    """Workaround: a CPU run's tensors are in host memory already, and offloading them there
-    breaks the full state dict's gather in torch 2.11 ("setStorage: ... storage of size 0"; fine
-    in 2.14): there every rank gets them. Remove it once requirements.txt asks for torch >= 2.14."""
-    return next(model.parameters()).device.type != "cpu"
+
 
 
 def find_checkpoint(path):
@@ -1242,6 +1238,15 @@ def full_state_bytes(model):
     (FSDP1's private _flat_param holds it; no public call gives it)."""
     return 4 * sum(unit._flat_param._unpadded_unsharded_size.numel()
                    for unit in FSDP.fsdp_modules(model) if unit._flat_param is not None)
+
+
+def offload_to_cpu(model):
+    """Whether a full state dict's gather offloads the tensors to the CPU (only rank 0's).
+
+    Workaround: a CPU run's tensors are in host memory already, and offloading them there breaks
+    the gather in torch 2.11 ("setStorage: ... storage of size 0"; fine in 2.14): there every rank
+    gets them. Remove it (always True) once requirements.txt asks for torch >= 2.14."""
+    return next(model.parameters()).device.type != "cpu"
 
 
 class Report:
