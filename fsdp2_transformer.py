@@ -272,9 +272,9 @@ class Checkpointer:
     def saved(self, path):
         rank0_print(f"Saved checkpoint {path}")
 
-    def load(self, model, optimizer):
-        """Resume from the newest complete checkpoint; returns its step (0: there is none)."""
-        path = newest_checkpoint(self.folder)
+    def load(self, model, optimizer, path=None):
+        """Resume from path (default: the newest complete checkpoint); return its step (0: none)."""
+        path = path or newest_checkpoint(self.folder)
         if path is None:
             return 0
         with open(os.path.join(path, MARKER)) as f:
@@ -662,9 +662,10 @@ class CheckedCheckpointer(Checkpointer):
         self.started, self.last, self.path = None, None, None
 
     def save(self, model, optimizer, step):
-        self.started = time.perf_counter()
-        self.wait()
-        waited = time.perf_counter() - self.started
+        started = time.perf_counter()
+        self.wait()  # the previous save's line (saved) reads that save's start: set it after
+        self.started = started
+        waited = time.perf_counter() - started
         if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
@@ -714,25 +715,26 @@ class CheckedCheckpointer(Checkpointer):
         agree_on_error(error)
 
     def load(self, model, optimizer):
-        """The lesson's load, once rank 0 has found that the newest complete checkpoint's marker
-        (and a full checkpoint's tensors) fit this model; a failed read stops every rank in one
-        line."""
-        error = None
+        """The lesson's load of the newest complete checkpoint as rank 0 finds it, once its marker
+        (and a full checkpoint's tensors) are found to fit this model; a failed read stops every
+        rank in one line."""
+        found, error = [None], None
         if dist.get_rank() == 0:
             for path in glob.glob(os.path.join(glob.escape(self.folder), "step_*")):
                 if re.fullmatch(r"step_\d+", os.path.basename(path)) and not os.path.exists(
                         os.path.join(path, MARKER)):
                     rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER} marker)")
-            self.path = newest_checkpoint(self.folder)
+            found[0] = newest_checkpoint(self.folder)
             shapes = {name: p.shape for name, p in model.named_parameters()}
-            error = checkpoint_problem(self.path, shapes, self.config) if self.path else None
+            error = checkpoint_problem(found[0], shapes, self.config) if found[0] else None
         agree_on_error(error)
-        if newest_checkpoint(self.folder) is None:
+        dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 checked
+        self.path, step = found[0], 0
+        if self.path is None:
             rank0_print(f"No checkpoint in {self.given}: starting from step 0")
             return 0
-        self.path, step = newest_checkpoint(self.folder), 0
         try:
-            step = super().load(model, optimizer)
+            step = super().load(model, optimizer, self.path)
         except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank
             error = (f"cannot read checkpoint {self.path} ({one_line(root_cause(e))}); delete it "
                      "to resume from the checkpoint before it, or pass --no-resume")
