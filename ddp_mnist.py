@@ -313,8 +313,6 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
-
-
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 

@@ -1167,16 +1167,6 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     return "\n".join(lines)
 
 
-def aligned(header, rows):
-    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
-    figures stay under their heading whatever their size (the last column, words, is not padded;
-    a row of two cells is a remark about its first)."""
-    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
-              for i in range(len(header) - 1)]
-    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
-            for row in (header, *rows)]
-
-
 def ways_to_fit(model, world_size, replicate, device_gib, options):
     """The cheapest changes that bring the predicted peak under device_gib: one flag first, then
     two together; more ranks keep the global batch (each rank's share shrinks)."""
@@ -1236,8 +1226,6 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
-
-
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
@@ -1577,6 +1565,16 @@ def launch(args):
         worker.kill()
         worker.join()
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
+
+
+def aligned(header, rows):
+    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
+    figures stay under their heading whatever their size (the last column, words, is not padded;
+    a row of two cells is a remark about its first)."""
+    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
+              for i in range(len(header) - 1)]
+    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
+            for row in (header, *rows)]
 
 
 def add_run_flags(parser):

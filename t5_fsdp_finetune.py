@@ -292,7 +292,7 @@ def main(args, device):
                        sync_module_states=args.cpu_ram_efficient_loading,
                        param_init_fn=materialize_on(device))  # keeps T5's shared weights tied
     describe_fsdp(model)  # what FSDP built, read from the wrapped model
-    log = EpochLog(Report(args, device), model, track_memory=args.track_memory)
+    loaded = report_memory_after_loading(Report(args, device), model)
 
     # 3. The optimizer after wrapping, so that it holds this rank's shards; fp16's grad scaler.
     optimizer = optim.AdamW(model.parameters(), lr=args.lr)
@@ -311,7 +311,7 @@ def main(args, device):
 
     # 5. Per epoch: train, validate, step the learning rate, save the best model and a checkpoint.
     run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
-    log.start()
+    log = EpochLog(Report(args, device), loaded, track_memory=args.track_memory)  # times from now
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
@@ -497,13 +497,13 @@ def check_flags(args, device, world_size):
     if os.path.isdir(name) and (problem := model_folder_problem(name)):
         fail(f"cannot load a T5 model and tokenizer from the directory {name} ({problem}); pass "
              "--model-name with a directory written by save_pretrained, or a hub id")
-    problem = checkpoint_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
+    problem = resume_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
                                  sharded=args.save_model and args.checkpoint_type == "sharded")
     if problem:
         fail(problem)
 
 
-def checkpoint_problem(resume, save_dir, epochs, overwrite, sharded):
+def resume_problem(resume, save_dir, epochs, overwrite, sharded):
     """Why the checkpoint --resume names (auto: the newest in --save-dir) cannot be resumed, or
     why --save-dir, without --resume, must not be written into; None if nothing is wrong. Read
     from the files alone, before a model is loaded: a resumed run must have epochs left, and a new
@@ -727,21 +727,23 @@ def describe_fsdp(model):
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
 
 
+def report_memory_after_loading(report, model):
+    """Print each rank's peak memory so far: what loading and wrapping the model cost it; return
+    the peaks, for --metrics-json."""
+    report.memory(model)
+    rank0_print("Peak memory per rank after loading the model: "
+                + ", ".join(f"{peak / 2**20:.1f}" for peak in report.peaks) + " MiB")
+    return report.peaks
+
+
 class EpochLog:
-    """The run's figures: each rank's peak memory after loading the model (at creation), each
-    epoch's time (training alone, then with validation) and, with track_memory, the ranks' peak
-    memory; at the end samples/s, the time and memory summary, and --metrics-json."""
+    """The run's figures from the first epoch on: each epoch's time (training alone, then with
+    validation) and, with track_memory, the ranks' peak memory; at the end samples/s, the time and
+    memory summary, and --metrics-json (with the peaks after loading: loaded)."""
 
-    def __init__(self, report, model, track_memory):
-        self.report, self.track_memory = report, track_memory
-        report.memory(model)
-        self.loaded = report.peaks
-        peaks = ", ".join(f"{peak / 2**20:.1f}" for peak in self.loaded)
-        rank0_print(f"Peak memory per rank after loading the model: {peaks} MiB")
+    def __init__(self, report, loaded, track_memory):
+        self.report, self.loaded, self.track_memory = report, loaded, track_memory
         self.train_times, self.epoch_times = [], []
-
-    def start(self):
-        self.report = Report(self.report.args, self.report.device)  # the clock starts now
 
     def trained(self):
         self.train_times.append(self.report.lap())
@@ -802,9 +804,6 @@ def progress_bar(loader, desc, colour, leave, disable):
     return FinalLine(loader, desc=desc, disable=disable)
 
 
-
-
-
 def find_checkpoint(path):
     """path if it is a complete checkpoint, else the newest complete checkpoint-epoch-N in it."""
     if os.path.isfile(os.path.join(path, TRAINER_STATE)):
@@ -820,7 +819,7 @@ def find_checkpoint(path):
 def find_resumable(resume, save_dir):
     """The complete sharded checkpoint to resume from (--resume DIR, or auto: the newest in
     --save-dir), as rank 0 finds it, on every rank; None to start afresh. check_flags has checked
-    it (checkpoint_problem)."""
+    it (resume_problem)."""
     box = [find_checkpoint(save_dir if resume == "auto" else resume)
            if resume and dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -832,7 +831,7 @@ def find_resumable(resume, save_dir):
 def check_before_training(args):
     """--save-dir is checked, and made, only once the inputs are: bad input leaves nothing behind.
     With sharded checkpoints, rank 0 locks --save-dir for this job; --overwrite (which
-    checkpoint_problem asked for) deletes an earlier run's checkpoints."""
+    resume_problem asked for) deletes an earlier run's checkpoints."""
     check_outputs(args, {"--save-dir": os.path.abspath(args.save_dir) if args.save_model
                          else None})
     if not (args.save_model and args.checkpoint_type == "sharded"):
@@ -1009,16 +1008,6 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
     return "\n".join(lines)
 
 
-def aligned(header, rows):
-    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
-    figures stay under their heading whatever their size (the last column, words, is not padded;
-    a row of two cells is a remark about its first)."""
-    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
-              for i in range(len(header) - 1)]
-    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
-            for row in (header, *rows)]
-
-
 # ==================================================================================================
 # Plumbing, not part of the lesson: what the four scripts share, each function the same, byte for
 # byte, in every script that uses it (tests/test_layout.py): rank-0 printing, one error line
@@ -1046,8 +1035,6 @@ def fail(message, node_local=False):
 
 
 FAILING = []  # this process is ending with an error line of its own (or a peer's)
-
-
 PROGRESS = {"at": ""}  # where training is (" at step 40"), for the line of an interrupted run
 
 
@@ -1459,6 +1446,16 @@ def launch(args):
         worker.kill()
         worker.join()
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
+
+
+def aligned(header, rows):
+    """The table's lines: cells " | "-separated, each column as wide as its widest cell, so that
+    figures stay under their heading whatever their size (the last column, words, is not padded;
+    a row of two cells is a remark about its first)."""
+    widths = [max(len(row[i]) for row in (header, *rows) if len(row) > i + 1)
+              for i in range(len(header) - 1)]
+    return [" | ".join([*(cell.rjust(width) for cell, width in zip(row[:-1], widths)), row[-1]])
+            for row in (header, *rows)]
 
 
 def add_run_flags(parser):

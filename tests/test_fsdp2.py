@@ -264,6 +264,17 @@ def test_lr_sets_the_step_size_and_no_resume_overwrite_starts_over(torchrun, tmp
     assert losses[1:] != pytest.approx(fsdp2_reference.metrics["losses"][1:3], rel=1e-4)
 
 
+def test_a_rerun_with_nothing_left_to_train_says_so(torchrun, tmp_path, fsdp2_reference):
+    """Resumed at step 20 of --steps 20: it says there is nothing to train, prints no training
+    time (it printed "Wall-clock elapsed time: 0.000sec"), and still reports memory and metrics."""
+    copy_fsdp2_checkpoint(fsdp2_reference, 20, tmp_path / "ckpt")
+    result = torchrun(SCRIPT, *TINY, "--steps", 20, "--checkpoint-dir", "ckpt")
+    assert result.returncode == 0, result.output
+    assert "The checkpoint is at step 20, --steps is 20: no training" in result.stdout
+    assert "elapsed time" not in result.stdout and "Peak memory per rank" in result.stdout
+    assert result.metrics["losses"] == [] and result.metrics["step"] == 20
+
+
 def test_divergence_stops_at_the_first_nan_and_keeps_the_last_finite_checkpoint(torchrun,
                                                                                 tmp_path):
     """--lr 1e30 blows the model up: the run stops at the first non-finite loss with one error line

@@ -507,6 +507,17 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
 
 
+def test_the_fixture_command_prints_no_progress_bar(tmp_path):
+    """`python tests/tiny_wikihow.py DATA MODEL` (the README's offline T5) writes both folders and
+    says so in one line: no "Writing model shards" bar, whose carriage returns litter a log."""
+    run = subprocess.run([sys.executable, REPO / "tests" / "tiny_wikihow.py", "data", "model"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (run.stdout + run.stderr).strip().splitlines() == [
+        "wrote data/wikihowAll.csv (+ split lists) and the tiny T5 model and tokenizer in model"]
+    assert (tmp_path / "model" / "config.json").exists()
+
+
 def test_help_explains_every_flag(help_text):
     flags = ["--model-name", "--data-dir", "--batch-size", "--test-batch-size", "--epochs", "--lr",
              "--gamma", "--seed", "--num-train-samples", "--num-val-samples", "--input-length",
