@@ -707,7 +707,7 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     None (its help says what happens then) or help that names its default itself."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in action.help:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

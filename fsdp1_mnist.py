@@ -542,10 +542,10 @@ def strategy_to_use(strategy):
 
 
 def full_state_bytes(model):
-    """The bytes save_model writes: the model's full fp32 state, each FSDP unit's unsharded size
-    (FSDP1's private _flat_param holds it; no public call gives it)."""
-    return 4 * sum(unit._flat_param._unpadded_unsharded_size.numel()
-                   for unit in FSDP.fsdp_modules(model) if unit._flat_param is not None)
+    """The bytes of an FSDP1 model's full state dict: each unit's unsharded size (FSDP1's private
+    _flat_param holds it; no public call gives it) in its parameters' dtype."""
+    return sum(unit._flat_param._unpadded_unsharded_size.numel() * unit._flat_param.element_size()
+               for unit in FSDP.fsdp_modules(model) if unit._flat_param is not None)
 
 
 def offload_to_cpu(model):
@@ -799,7 +799,7 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     None (its help says what happens then) or help that names its default itself."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in action.help:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

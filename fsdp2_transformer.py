@@ -651,9 +651,9 @@ class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
     background write (saying so when that took long), refuses non-finite parameters and a save the
     disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed), and
-    returns the seconds training paused; the marker also records the model's sizes. A resume
-    reads only a checkpoint whose marker and tensors fit this model, and a read that fails stops
-    every rank in one line. Asynchronous saves stage into host memory allocated once."""
+    returns the seconds training paused; its files reach the disk before the marker does. A
+    resume reads only a checkpoint whose marker and tensors fit this model, and a read that fails
+    stops every rank in one line. Asynchronous saves stage into host memory allocated once."""
 
     def __init__(self, folder, config, **options):
         super().__init__(os.path.abspath(folder), config, **options)
@@ -1607,7 +1607,7 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
     None (its help says what happens then) or help that names its default itself."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or "default" in action.help:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
