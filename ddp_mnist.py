@@ -454,12 +454,11 @@ def stop_on_non_finite_gradients(optimizer, advice):
     else stop every rank in one line before the update carries NaN into the weights: a diverged
     run must not go on. Through the optimizer's step hook, so that the training loop stays plain
     (under a grad scaler, steps with inf gradients are skipped before the hook)."""
-    steps = []
+    parameters, steps = [p for group in optimizer.param_groups for p in group["params"]], []
 
     def check(optimizer, args, kwargs):
-        steps.append(None)
-        gradients = [p.grad for group in optimizer.param_groups for p in group["params"]
-                     if p.grad is not None]
+        steps.append(None)  # this one
+        gradients = [p.grad for p in parameters if p.grad is not None]
         stop_if_diverged(f"a gradient of optimizer step {len(steps)}", gradients, advice)
 
     optimizer.register_step_pre_hook(check)
