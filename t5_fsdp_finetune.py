@@ -1,20 +1,18 @@
-"""FSDP1 fine-tuning of Hugging Face T5 for WikiHow summarization, on GPUs or on CPU.
+"""FSDP fine-tuning of Hugging Face T5 for WikiHow summarization, on GPUs or on CPU.
 
-It teaches FSDP1 on a real pretrained model: one FSDP unit per T5Block (transformer auto-wrap),
-device_id initialization, sharding strategies, backward prefetch, the tutorial's mixed-precision
-policies, activation checkpointing, the rank-0 streaming full-state-dict save, and sharded (DCP)
-checkpoints that a run resumes from. The FSDP part is wrap_model(); main() is the recipe. After
-the PyTorch tutorial "Advanced Model Training with Fully Sharded Data Parallel". FSDP1
-(FullyShardedDataParallel) is the older API: for new code, PyTorch's FSDP2 guide recommends
-FSDP2 (fully_shard), which fsdp2_transformer.py teaches.
+After the PyTorch tutorial "Advanced Model Training with Fully Sharded Data Parallel": FSDP1 on a
+real pretrained model, one unit per T5Block (transformer auto-wrap), device_id initialization,
+sharding strategies, backward prefetch, mixed-precision policies, activation checkpointing, the
+rank-0 streaming full-state-dict save and resumable sharded (DCP) checkpoints. --fsdp-version 2
+moves it to FSDP2 (fully_shard, which PyTorch recommends for new code; fsdp2_transformer.py
+teaches it from scratch): the same units, losses and checkpoints. The FSDP parts are wrap_model()
+and shard_model(); main() is the recipe.
 
     python t5_fsdp_finetune.py                           # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 4 t5_fsdp_finetune.py --sharding-strategy SHARD_GRAD_OP \\
-        --activation-checkpointing --checkpoint-type sharded --save-dir runs/t5
+        --activation-checkpointing --checkpoint-type sharded --save-dir runs/t5 --fsdp-version 2
     torchrun --nproc_per_node 4 --max-restarts 3 t5_fsdp_finetune.py --checkpoint-type sharded \\
         --save-dir runs/t5 --resume auto                 # restarts resume after the last epoch
-    python t5_fsdp_finetune.py --cpu --model-name tiny-t5 --data-dir tiny-data --input-length 64 \\
-        --output-length 24 --num-train-samples 64 --num-val-samples 31    # the tests' fixtures
 
 Data: wikihowAll.csv in --data-dir (README.md, "Data"), read by summarization_dataset.py. CUDA +
 NCCL when a GPU is visible, else CPU + gloo. Below the lesson: Safeguards and Plumbing.
@@ -40,10 +38,17 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -84,6 +89,14 @@ POLICIES = {  # MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)
     "fp16": MixedPrecision(torch.float16, torch.float16, torch.float16),
     "grad-bf16": MixedPrecision(reduce_dtype=torch.bfloat16),
 }
+POLICIES_FSDP2 = {  # FSDP2's: fp32 shards, computed in param_dtype, reduced in reduce_dtype
+    "fp32": MixedPrecisionPolicy(),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "grad-bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+}
+
+
+NON_REENTRANT = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
 def mixed_precision_choice(choice, device):
@@ -133,9 +146,33 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
         # checkpointing takes T5Block's keyword arguments and restores the RNG state when it
         # recomputes, so dropout masks, and losses, are those of a run without it.
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
-                                       checkpoint_wrapper_fn=functools.partial(
-                                           checkpoint_wrapper,
-                                           checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                                       checkpoint_wrapper_fn=NON_REENTRANT)
+    return model
+
+
+def shard_model(model, device, sharding_strategy, mp_policy, activation_checkpointing,
+                broadcast_from_rank0=False):
+    """FSDP2 (fully_shard) with wrap_model's units: each T5Block, then the root, whose group holds
+    the embedding that encoder, decoder and a tied lm_head share (a parameter must sit in one
+    group: fully_shard(model.shared) alone is refused). No wrapper: the parameters become DTensor
+    shards in place, under their own names. FSDP1's strategies: HYBRID_SHARD is HSDP on a (nodes,
+    node size) mesh (replicate, shard); SHARD_GRAD_OP keeps a block's gathered parameters from its
+    forward to its backward. broadcast_from_rank0 (--cpu-ram-efficient-loading): only rank 0's
+    model has weights, the others are on the meta device."""
+    world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
+                            if sharding_strategy == "HYBRID_SHARD" else (world_size,))
+    full_state = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else {}
+    if activation_checkpointing:  # as in wrap_model, but before sharding
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
+                                       checkpoint_wrapper_fn=NON_REENTRANT)
+    for module in (*model.encoder.block, *model.decoder.block, model):
+        fully_shard(module, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")
+    if broadcast_from_rank0:
+        model.to_empty(device=device)  # this rank's shards get memory; tied ones stay one tensor
+        set_model_state_dict(model, full_state, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))  # each rank gets its shards
     return model
 
 
@@ -213,10 +250,11 @@ def export_model(model, tokenizer, path, cpu_offload=True):
         torch.save(state, f"{path}.pt.tmp")
         os.replace(f"{path}.pt.tmp", f"{path}.pt")
         with torch.device("meta"):  # no second random initialization: weights from state
-            plain = T5ForConditionalGeneration(model.module.config)
+            plain = T5ForConditionalGeneration(model.config)  # FSDP1 passes .config on
         plain.load_state_dict(state, assign=True)
-        plain.tie_weights()
-        plain.generation_config = model.module.generation_config
+        if torch.equal(state["lm_head.weight"], state["shared.weight"]):  # not flan-t5's: untied
+            plain.tie_weights()
+        plain.generation_config = model.generation_config
         shutil.rmtree(f"{path}-hf.tmp", ignore_errors=True)  # the leftover of a crash
         plain.save_pretrained(f"{path}-hf.tmp")
         tokenizer.save_pretrained(f"{path}-hf.tmp")
@@ -248,8 +286,7 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
     size (each rank reads what its shards hold of the saved ones); return its trainer state."""
     with open(os.path.join(path, TRAINER_STATE)) as f:
         state = json.load(f)
-    model_state, optim_state = get_state_dict(model, optimizer)  # this run's shards to fill
-    loaded = {"model": model_state, "optimizer": optim_state}
+    loaded = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # to fill
     dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
     set_state_dict(model, optimizer, model_state_dict=loaded["model"],
                    optim_state_dict=loaded["optimizer"])
@@ -281,16 +318,22 @@ def main(args, device):
         val_loader = DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
                                 sampler=DistributedSampler(val_set, shuffle=False))
 
-    # 2. Wrap the model in FSDP: one unit per T5Block, sharded over the ranks.
+    # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
     precision = mixed_precision_choice(args.mixed_precision, device)
-    allow_sync_module_states_on_cpu(args.cpu_ram_efficient_loading, device)  # a workaround
-    model = wrap_model(model, device, sharding_strategy=strategy_to_use(args.sharding_strategy),
-                       mixed_precision=POLICIES[precision],
-                       backward_prefetch=args.backward_prefetch,
-                       limit_all_gathers=args.limit_all_gathers,
-                       activation_checkpointing=args.activation_checkpointing,
-                       sync_module_states=args.cpu_ram_efficient_loading,
-                       param_init_fn=materialize_on(device))  # keeps T5's shared weights tied
+    if args.fsdp_version == 1:
+        allow_sync_module_states_on_cpu(args.cpu_ram_efficient_loading, device)  # a workaround
+        model = wrap_model(model, device, sharding_strategy=strategy_to_use(args.sharding_strategy),
+                           mixed_precision=POLICIES[precision],
+                           backward_prefetch=args.backward_prefetch,
+                           limit_all_gathers=args.limit_all_gathers,
+                           activation_checkpointing=args.activation_checkpointing,
+                           sync_module_states=args.cpu_ram_efficient_loading,
+                           param_init_fn=materialize_on(device))  # keeps T5's shared weights tied
+    else:
+        model = shard_model(model, device, sharding_strategy=args.sharding_strategy,
+                            mp_policy=POLICIES_FSDP2[precision],
+                            activation_checkpointing=args.activation_checkpointing,
+                            broadcast_from_rank0=args.cpu_ram_efficient_loading)
     describe_fsdp(model)  # what FSDP built, read from the wrapped model
     loaded = report_memory_after_loading(Report(args, device), model)
 
@@ -334,7 +377,7 @@ def main(args, device):
         if improved and args.save_model:
             name = f"{run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
             state["best_checkpoint"] = os.path.abspath(os.path.join(args.save_dir, name))
-            with checked_save(model, state["best_checkpoint"], 2 * full_state_bytes(model)):
+            with checked_save(model, state["best_checkpoint"], 2 * full_model_bytes(model)):
                 export_model(model, tokenizer, state["best_checkpoint"],
                              cpu_offload=offload_to_cpu(model))
         if args.save_model and args.checkpoint_type == "sharded":
@@ -379,24 +422,29 @@ def parse_args():
     add("--run-validation", action=on_off, default=True,
         help="compute the validation loss every epoch (without: the last epoch's model is saved)")
     add = parser.add_argument_group("FSDP").add_argument
+    add("--fsdp-version", type=int, default=1, choices=[1, 2], help="1: FSDP1's wrapper (the "
+        "tutorial's); 2: FSDP2's fully_shard, the same units (README.md, 'T5 on FSDP2')")
     add("--sharding-strategy", default="FULL_SHARD",
         choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
-        help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3); SHARD_GRAD_OP "
-             "keeps parameters gathered from forward to backward (ZeRO-2); NO_SHARD is DDP (FSDP1 "
-             "deprecates it for DDP); HYBRID_SHARD shards within a node, replicates across nodes")
+        help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3; FSDP2: "
+             "reshard_after_forward=True); SHARD_GRAD_OP keeps parameters gathered from forward "
+             "to backward (ZeRO-2; False); NO_SHARD is DDP (FSDP1 only); HYBRID_SHARD shards "
+             "within a node, replicates across nodes (FSDP2: a 2-D mesh)")
     add("--backward-prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST",
-        "NONE"], help="when to all-gather the next unit's parameters in backward")
+        "NONE"], help="when to all-gather the next unit's parameters in backward (FSDP2 always "
+        "prefetches the next block as BACKWARD_PRE does)")
     add("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "grad-bf16"],
         help="auto: bf16 on GPUs with native bf16, else fp32 (also on CPU); bf16/fp16: compute, "
-             "gradient reduction and buffers in that dtype (fp16 with a sharded grad scaler); "
-             "grad-bf16: gradient reduction only; bf16 falls back to fp32 where unsupported")
+             "reduction and buffers in that dtype (fp16: a sharded grad scaler; FSDP2: bf16 "
+             "reduces in fp32, no fp16); grad-bf16: reduction only; bf16 falls back to fp32 where "
+             "unsupported")
     add("--activation-checkpointing", action="store_true",
         help="recompute each T5Block's activations in backward instead of storing them")
-    add("--limit-all-gathers", action=on_off, default=True,
-        help="rate-limit FSDP's all-gathers so that prefetching cannot exhaust GPU memory")
+    add("--limit-all-gathers", action=on_off, help="rate-limit FSDP1's all-gathers so that "
+        "prefetching cannot exhaust GPU memory (default: on; FSDP2 limits its own, and refuses it)")
     add("--cpu-ram-efficient-loading", action="store_true",
         help="only rank 0 loads the pretrained weights; the others build the model on the meta "
-             "device, filled by sync_module_states (accelerate's fsdp_cpu_ram_efficient_loading)")
+             "device and get them from rank 0 (FSDP1: sync_module_states; FSDP2: broadcast)")
     add = parser.add_argument_group("checkpointing").add_argument
     add("--save-model", action=on_off, default=True,
         help="save the model when the validation loss improves: T5-model-<date>-<epoch>-<loss>.pt "
@@ -446,6 +494,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from transformers.utils import logging as hf_logging
 
@@ -464,6 +513,31 @@ def resume_hint(args):
     return f"a rerun with --resume auto continues from {newest}"
 
 
+# What --fsdp-version 2 has no equivalent for, refused in one line that says what to use instead.
+NOT_IN_FSDP2 = {
+    ("sharding_strategy", "NO_SHARD"): "--sharding-strategy NO_SHARD (FSDP1 deprecates it): use "
+    "FULL_SHARD or SHARD_GRAD_OP, or DistributedDataParallel to replicate (ddp_mnist.py)",
+    ("backward_prefetch", "BACKWARD_POST"): "--backward-prefetch BACKWARD_POST: it prefetches the "
+    "next block as BACKWARD_PRE does (the default); leave the flag out",
+    ("backward_prefetch", "NONE"): "--backward-prefetch NONE: it always prefetches the next block "
+    "as BACKWARD_PRE does (the default); leave the flag out",
+    ("limit_all_gathers", True): "--limit-all-gathers: FSDP2 bounds its all-gathers itself; leave "
+    "the flag out",
+    ("limit_all_gathers", False): "--no-limit-all-gathers: FSDP2 bounds its all-gathers itself; "
+    "leave the flag out",
+    ("mixed_precision", "fp16"): "--mixed-precision fp16 (this script has no grad scaler for "
+    "FSDP2): use bf16, or fp32",
+}
+
+
+def fsdp2_problem(args):
+    """Why --fsdp-version 2 cannot run these flags (NOT_IN_FSDP2), or None."""
+    for (flag, value), instead in NOT_IN_FSDP2.items() if args.fsdp_version == 2 else ():
+        if getattr(args, flag) == value:
+            return f"--fsdp-version 2 has no {instead}"
+    return None
+
+
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
 DIVERGED = "try a smaller --lr, or --mixed-precision bf16 or fp32 instead of fp16"
 MEMORY_ADVICE = ("use a smaller --batch-size, --test-batch-size, --input-length or "
@@ -479,6 +553,10 @@ def check_flags(args, device, world_size):
         fail("--checkpoint-type sharded writes checkpoints; --no-save-model turns them off")
     if args.resume == "auto" and args.checkpoint_type != "sharded":
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
+    if fsdp2_problem(args):
+        fail(fsdp2_problem(args))
+    if args.limit_all_gathers is None and args.fsdp_version == 1:
+        args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
     args.model_name = name = os.path.expanduser(args.model_name)
     csv_path = os.path.join(args.data_dir, "wikihowAll.csv")
     missing = [] if os.path.isfile(csv_path) else [f"{csv_path} not found: {DOWNLOAD_HELP}"]
@@ -652,7 +730,7 @@ def one_line(error):
 def quiet_known_warnings():
     """Silence what says nothing a user can act on; each filter matches one message (torch 2.14,
     transformers 5). Remove a filter when its warning no longer shows in tests/test_t5.py's runs
-    of every --sharding-strategy (they assert that no warning is printed)."""
+    of every --sharding-strategy and --fsdp-version (they assert that no warning is printed)."""
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     # FSDP1's optimizer state-dict code calls a torch-internal helper that warns about its own
     # deprecation (_get_pg_default_device, and its "Multiple backends are registered").
@@ -664,6 +742,11 @@ def quiet_known_warnings():
     warnings.filterwarnings("ignore", message=r".*(_get_pg_default_device|Multiple backends are "
                             r"registered|full_state_dict will ?be returned|The `NO_SHARD` sharding "
                             r"strategy is deprecated)")
+    # FSDP2 warns that a T5Block returns a view (its position bias, which the next blocks reuse):
+    # an in-place op on it would skip FSDP2's pre-backward hook. T5 (transformers 5) only adds it
+    # out of place, and FSDP2's losses equal FSDP1's (tests/test_t5.py): nothing is wrong.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(T5Block|"
+                            r"CheckpointWrapper)\) returned a view tensor")
 
 
 def allow_sync_module_states_on_cpu(sync_module_states, device):
@@ -707,6 +790,8 @@ def materialize_on(device):
 def describe_fsdp(model):
     """Print what FSDP built, read from the wrapped model itself rather than from the flags; the
     sizes per unit come from FSDP1's private _flat_param (no public call gives them)."""
+    if not isinstance(model, FSDP):
+        return describe_fsdp2(model)
     dtypes = [str(d).replace("torch.", "") for d in vars(model.mixed_precision).values()][:3]
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
     units = len(FSDP.fsdp_modules(model))
@@ -725,6 +810,36 @@ def describe_fsdp(model):
         sizes[key] = sizes.get(key, 0) + 1
     for (kind, total, local), count in sizes.items():
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
+
+
+def describe_fsdp2(model):
+    """describe_fsdp for fully_shard: its groups, their mesh, and the settings of the first
+    block's group, read from FSDP2's private group state (no public call gives them)."""
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    first = groups[0]._get_fsdp_state()._fsdp_param_group  # private: the group's settings
+    dtypes = [str(d).replace("torch.", "") for d in (first.mp_policy.param_dtype,
+                                                     first.mp_policy.reduce_dtype)]
+    checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    rank0_print(f"FSDP2 sharded {len(groups)} groups on a {tuple(first.mesh_info.mesh.shape)} "
+                f"mesh: reshard_after_forward {first._reshard_after_forward}, mixed precision "
+                f"param {dtypes[0]} reduce {dtypes[1]} (None: not cast), activation "
+                f"checkpointing of {checkpointed} T5Blocks")
+    sizes = {}  # (kind of group, parameters, on rank 0) -> how many groups
+    for group in groups:
+        params = [p.sharded_param for p in group._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        key = (type(group).__name__.removeprefix("FSDP"), sum(p.numel() for p in params),
+               sum(p.to_local().numel() for p in params))
+        sizes[key] = sizes.get(key, 0) + 1
+    for (kind, total, local), count in sizes.items():
+        rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
+
+
+def full_model_bytes(model):
+    """The bytes of the model's full state dict: FSDP1's (full_state_bytes), or the global size
+    of FSDP2's DTensor parameters."""
+    if isinstance(model, FSDP):
+        return full_state_bytes(model)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def report_memory_after_loading(report, model):
@@ -772,7 +887,9 @@ class EpochLog:
             train_batches=len(train_loader), val_batches=len(val_loader or ()),
             peak_memory_after_loading_per_rank=self.loaded,
             checkpoint=f"{best}-hf" if best else None, checkpoint_pt=f"{best}.pt" if best else None,
-            mixed_precision=mixed_precision, sharding_strategy=model.sharding_strategy.name)
+            mixed_precision=mixed_precision, fsdp_version=self.report.args.fsdp_version,
+            sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
+                               else self.report.args.sharding_strategy))
 
 
 class FinalLine(tqdm):
@@ -887,6 +1004,8 @@ def exit_if_plan(args):
     device_gib = args.plan_device_memory or (
         torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
     name = os.path.expanduser(args.model_name)
+    if fsdp2_problem(args):
+        fail(fsdp2_problem(args))
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         fail(f"--plan: {name} holds no config.json; pass a directory written by save_pretrained "
              "or a hub id such as t5-base")
@@ -902,7 +1021,8 @@ def exit_if_plan(args):
     options = {"strategy": args.sharding_strategy, "batch_size": args.batch_size,
                "input_length": args.input_length, "output_length": args.output_length,
                "compute_bytes": 2 if precision in ("bf16", "fp16") else 4,
-               "activation_checkpointing": args.activation_checkpointing}
+               "activation_checkpointing": args.activation_checkpointing,
+               "fsdp_version": args.fsdp_version}
     plan = memory_plan(model, world_size, local_world_size, **options)
     plan["fits"] = plan["peak_bytes"] <= device_gib * 2**30
     rank0_print(plan_text(model, plan, world_size, local_world_size, device_gib, options))
@@ -914,13 +1034,15 @@ def exit_if_plan(args):
 
 
 def memory_plan(model, world_size, local_world_size, strategy, batch_size, input_length,
-                output_length, compute_bytes, activation_checkpointing):
+                output_length, compute_bytes, activation_checkpointing, fsdp_version=1):
     """Each rank's memory in bytes, from the model's shapes (on the meta device).
 
     Training state, exact: FSDP1 flattens each unit's parameters (one unit per T5Block, the rest
     in the root) and pads the flat parameter to a multiple of the ranks it shards over (all of
     them, a node's under HYBRID_SHARD, none under NO_SHARD or with one process): fp32 shards of
-    parameters, gradients and AdamW's two moments, and a 4-byte step per unit. Activations:
+    parameters, gradients and AdamW's two moments, and a 4-byte step per unit. FSDP2 shards each
+    parameter along its first dimension (rank 0 holds ceil(rows / ranks) rows) and AdamW keeps a
+    step per parameter. Activations:
     T5_SAVED's counts for the batch each rank trains (--batch-size is per rank); with
     activation checkpointing, only each block's input (and one block while it is recomputed)."""
     shard = {"NO_SHARD": 1, "HYBRID_SHARD": local_world_size}.get(strategy, world_size)
@@ -928,9 +1050,13 @@ def memory_plan(model, world_size, local_world_size, strategy, batch_size, input
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     units = [sum(p.numel() for p in block.parameters()) for block in blocks]
     units.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))  # root
-    local = sum(math.ceil(size / shard) for size in units)
+    local, steps = sum(math.ceil(size / shard) for size in units), len(units)
+    if fsdp_version == 2:
+        parameters = list(model.parameters())  # each once, tied or not
+        local = sum(math.ceil(p.shape[0] / shard) * p[0].numel() for p in parameters)
+        steps = len(parameters)
     plan = {"world_size": world_size, "parameters": sum(units), "parameter_bytes": 4 * local,
-            "gradient_bytes": 4 * local, "optimizer_bytes": 8 * local + 4 * len(units)}
+            "gradient_bytes": 4 * local, "optimizer_bytes": 8 * local + 4 * steps}
     plan["train_state_bytes"] = sum(plan[k] for k in ("parameter_bytes", "gradient_bytes",
                                                        "optimizer_bytes"))
     gathered = units if strategy != "FULL_SHARD" or shard == 1 else [units[-1], *sorted(

@@ -115,6 +115,20 @@ def tiny_t5_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def still_t5_dir(tmp_path_factory):
+    """The tiny T5 without dropout: runs at different world sizes draw no random masks, so the
+    same global batch gives the same losses."""
+    return write_tiny_t5(tmp_path_factory.mktemp("still_t5"), dropout_rate=0.0)
+
+
+@pytest.fixture(scope="session")
+def untied_t5_dir(tmp_path_factory):
+    """The tiny T5 with an lm_head of its own (T5 v1.1 and flan-t5 style), not tied to the
+    embedding."""
+    return write_tiny_t5(tmp_path_factory.mktemp("untied_t5"), untied=True)
+
+
+@pytest.fixture(scope="session")
 def wide_t5_dir(tmp_path_factory):
     """The same, 322 MB of weights (d_model 1024, 4 layers): big enough to see loading in RSS."""
     return write_tiny_t5(tmp_path_factory.mktemp("wide_t5"), d_model=1024, num_layers=4)

@@ -130,6 +130,15 @@ CASES = [  # id, script, args, what the error line must say
     ("FSDP2 out of memory", "fsdp2_transformer.py", ["--vocab-size", 2_000_000_000],
      ["out of memory", "can't allocate memory", "--batch-size", "--vocab-size"]),
     ("T5 negative gamma", "t5_fsdp_finetune.py", ["--gamma", -1], ["--gamma", "from 0 to 1"]),
+    *[(f"T5 FSDP2 {' '.join(map(str, flags))}", "t5_fsdp_finetune.py",
+       ["--fsdp-version", 2, *flags], ["--fsdp-version 2 has no", *says])
+      for flags, says in [
+          (["--sharding-strategy", "NO_SHARD"], ["FULL_SHARD or SHARD_GRAD_OP", "ddp_mnist.py"]),
+          (["--backward-prefetch", "BACKWARD_POST"], ["as BACKWARD_PRE does", "leave the flag"]),
+          (["--backward-prefetch", "NONE"], ["always prefetches", "leave the flag out"]),
+          (["--limit-all-gathers"], ["bounds its all-gathers itself", "leave the flag out"]),
+          (["--no-limit-all-gathers"], ["bounds its all-gathers itself", "leave the flag out"]),
+          (["--mixed-precision", "fp16"], ["use bf16, or fp32"])]],
     ("MNIST growing gamma", "fsdp1_mnist.py", ["--gamma", 2], ["--gamma", "from 0 to 1, got 2"]),
     ("FSDP2 learning rate beyond float32", "fsdp2_transformer.py", ["--lr", "1e42"],
      ["--lr", "at most 1e+30, got 1e42"]),
@@ -172,6 +181,9 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "T5 resume auto without sharded checkpoints", "T5 hub model offline",
                    "T5 missing data and model", "T5 missing columns", "T5 header-only CSV",
                    "T5 directory without a model", "T5 BERT config"}
+# FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn
+PYTHON_LAUNCHED |= {name for name, *_ in CASES
+                    if name.startswith("T5 FSDP2 --") and "NO_SHARD" not in name}
 
 
 def make_dir(path):

@@ -206,6 +206,69 @@ def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, wikihow_dir):
     assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
 
 
+T5_FSDP2_DRIVER = job("""
+device = torch.device("cpu")
+model_dir, data_dir, out, broadcast = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+model, tokenizer = load_model_and_tokenizer(model_dir, on_meta=broadcast and rank > 0)
+tied = model.lm_head.weight is model.shared.weight
+train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
+loader = DataLoader(train_set, batch_size=4, sampler=DistributedSampler(train_set, seed=0))
+val_loader = DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))
+
+
+def sharded(model, broadcast=False):
+    return shard_model(model, device, sharding_strategy="FULL_SHARD",
+                       mp_policy=POLICIES_FSDP2["fp32"], activation_checkpointing=True,
+                       broadcast_from_rank0=broadcast)
+
+
+model = sharded(model, broadcast)
+assert (model.lm_head.weight is model.shared.weight) == tied  # materialized, loaded: still tied
+optimizer = optim.AdamW(model.parameters(), lr=0.002)
+scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
+loss = train(model, loader, optimizer, None, epoch=1, device=device)
+val_loss = validation(model, val_loader, device)
+assert loss == loss and val_loss == val_loss
+scheduler.step()
+export_model(model, tokenizer, out + "/best")
+batch = next(iter(val_loader))
+inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
+          "labels": batch["target_ids"], "use_cache": False}
+with torch.no_grad():
+    logits = model(**inputs).logits  # FSDP2 gathers the parameters for this forward
+if rank == 0:
+    opened = T5ForConditionalGeneration.from_pretrained(out + "/best-hf").eval()
+    assert (opened.lm_head.weight is opened.shared.weight) == tied
+    with torch.no_grad():
+        assert torch.allclose(opened(**inputs).logits, logits, rtol=1e-5, atol=1e-6)
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                            cpu_offload=False))
+state = {"epoch": 1, "scheduler": scheduler.state_dict()}
+save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")
+fresh = sharded(load_model_and_tokenizer(model_dir)[0])
+fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
+fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
+load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer, fresh_scheduler, None)
+again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=False))
+assert all(torch.equal(again[key], value) for key, value in full.items())
+rank0_print("copied FSDP2 units: train, validation, export (same logits) and round trip ok")
+""")
+
+
+@pytest.mark.parametrize("model", ["tied, weights from rank 0", "untied"])
+def test_t5_fsdp2_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, model):
+    """shard_model copied alone: a tied T5 (t5-small style) whose weights only rank 0 loads, and an
+    untied one (flan-t5 style); the export's logits equal the sharded model's on a batch."""
+    shutil.copy(REPO / "summarization_dataset.py", tmp_path)
+    units = ["load_model_and_tokenizer", "load_data", "shard_model", "POLICIES_FSDP2", "train",
+             "validation", "export_model", "save_sharded_checkpoint", "load_sharded_checkpoint"]
+    tied = model.startswith("tied")
+    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_FSDP2_DRIVER,
+                   tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, int(tied))
+    assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
+
+
 def test_a_unit_that_calls_a_safeguard_does_not_run_copied(tmp_path):
     """The check above catches what it is for: train_step made to call a safeguard (describe_fsdp)
     fails in its copy, where the safeguards are not."""

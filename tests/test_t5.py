@@ -526,11 +526,17 @@ def test_help_explains_every_flag(help_text):
              "--no-track-memory", "--run-validation", "--no-run-validation", "--save-model",
              "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--overwrite",
              "--cpu", "--no-cuda", "--world-size", "--dist-timeout", "--metrics-json",
-             "--cpu-ram-efficient-loading"]
+             "--cpu-ram-efficient-loading", "--fsdp-version"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f not in text] == []
     assert ("(default: t5-base)" in text and "(default: 1500)" in text
             and "(default: 0.002)" in text)
+    # FSDP1's flags say what each becomes under FSDP2 (README.md, 'T5 on FSDP2')
+    flat = " ".join(text.split())
+    for mapped in ("FSDP2: reshard_after_forward=True", "SHARD_GRAD_OP keeps", "(ZeRO-2; False)",
+                   "FSDP2: a 2-D mesh", "FSDP2: bf16 reduces in fp32, no fp16",
+                   "FSDP2: broadcast", "FSDP2 limits its own, and refuses it"):
+        assert mapped in flat, mapped
 
 
 # The dataset, in this process.
@@ -633,3 +639,139 @@ def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
         assert run.metrics["mixed_precision"] == expected
         assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
         assert "Peak memory per rank (CUDA allocated)" in run.stdout
+
+
+# --fsdp-version 2: FSDP2's fully_shard on the same model, with FSDP1's losses and checkpoints.
+V2 = ["--fsdp-version", 2]
+
+
+def fsdp2_built(reshard, checkpointed=0):
+    return (f"FSDP2 sharded 5 groups on a (2,) mesh: reshard_after_forward {reshard}, mixed "
+            f"precision param None reduce None (None: not cast), activation checkpointing of "
+            f"{checkpointed} T5Blocks")
+
+
+def fsdp2_run(t5_run, strategy):
+    """FSDP2's FULL_SHARD run (the reference's options), or its SHARD_GRAD_OP run (FSDP1's, without
+    the BACKWARD_POST prefetch that FSDP2 refuses)."""
+    if strategy == "FULL_SHARD":
+        return t5_run(*T5_REFERENCE, *V2, epochs=3)
+    options = STRATEGY_RUNS["SHARD_GRAD_OP"][1]
+    return t5_run(*[o for o in options if o not in ("--backward-prefetch", "BACKWARD_POST")],
+                  *V2, epochs=2)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_fsdp2_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strategy):
+    """--plan --fsdp-version 2: FSDP2's shards (each parameter's rows over the ranks), their
+    gradients and AdamW state (a step per parameter) as measured, exactly."""
+    measured = fsdp2_run(t5_run, strategy).metrics["train_state_bytes"]
+    plan = plan_of(SCRIPT, tmp_path, "--model-name", tiny_t5_dir, "--world-size", 2,
+                   "--sharding-strategy", strategy, *V2)
+    assert plan["train_state_bytes"] == measured
+
+
+@SMOKE("t5_fsdp_finetune.py")
+def test_fsdp2_trains_exactly_as_fsdp1(t5_reference, t5_run, tiny_t5_dir, wikihow_dir):
+    """FULL_SHARD (reshard_after_forward=True), fp32, the same seed: every epoch's train and
+    validation loss of FSDP1's run within 1e-5, no warning; its best model exports as FSDP1's does
+    (the .pt and the HF directory hold the same weights, which give the logged loss)."""
+    run = fsdp2_run(t5_run, "FULL_SHARD")
+    assert fsdp2_built(True) in run.stdout.splitlines(), run.stdout
+    assert warning_lines(run.output) == []
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(t5_reference.metrics[key], rel=1e-5)
+    assert (run.metrics["fsdp_version"], t5_reference.metrics["fsdp_version"]) == (2, 1)
+    check_export(run, tiny_t5_dir, wikihow_dir)
+
+
+def test_fsdp2_shard_grad_op_keeps_the_parameters_to_backward(t5_run):
+    """SHARD_GRAD_OP is reshard_after_forward=False, read from the sharded model; with activation
+    checkpointing, the losses of FSDP1's SHARD_GRAD_OP run (whose BACKWARD_POST prefetch FSDP2
+    has not, and which changes no loss) within 1e-5."""
+    fsdp1 = t5_run(*STRATEGY_RUNS["SHARD_GRAD_OP"][1], epochs=2)
+    run = fsdp2_run(t5_run, "SHARD_GRAD_OP")
+    assert fsdp2_built(False, checkpointed=4) in run.stdout.splitlines(), run.stdout
+    assert warning_lines(run.output) == []
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_sharded_checkpoints_cross_between_fsdp_versions(t5_reference, t5_run, torchrun,
+                                                          tmp_path, tiny_t5_dir, wikihow_dir,
+                                                          version):
+    """The other version's epoch-2 checkpoint (DCP, the same parameter names) resumes under this
+    one and trains epoch 3 as the run that wrote it did."""
+    writer = t5_reference if version == 2 else fsdp2_run(t5_run, "FULL_SHARD")
+    shutil.copytree(writer.cwd / "checkpoint-epoch-2", tmp_path / "ckpt" / "checkpoint-epoch-2")
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE),
+                   "--fsdp-version", version, "--resume", "auto", "--save-dir", "ckpt")
+    assert run.returncode == 0, run.output
+    assert "(epoch 2 done)" in run.stdout and run.metrics["fsdp_version"] == version
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(writer.metrics[key], rel=1e-5)
+
+
+def test_fsdp2_cpu_ram_efficient_loading_trains_the_same(t5_reference, t5_run, tiny_t5_dir,
+                                                         wikihow_dir):
+    """Rank 0 loads the weights, rank 1 builds on the meta device; after sharding, rank 1 gets its
+    shards from rank 0 (set_model_state_dict, broadcast_from_rank0). FSDP1's losses, and the shared
+    embedding stays tied: the export gives the logged validation loss."""
+    run = t5_run("--cpu-ram-efficient-loading", *V2)
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(t5_reference.metrics[key][:2], rel=1e-5)
+    check_export(run, tiny_t5_dir, wikihow_dir)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_untied_lm_head_trains_and_exports(cached_torchrun, untied_t5_dir, wikihow_dir, version):
+    """A T5 whose lm_head is its own (T5 v1.1, flan-t5) trains under both versions with the same
+    losses, and its HF export keeps that lm_head (tying it to the embedding would lose it)."""
+    runs = [cached_torchrun(SCRIPT, *t5_args(untied_t5_dir, wikihow_dir, 1), "--fsdp-version", v)
+            for v in (1, version)]
+    assert all(run.returncode == 0 for run in runs), runs[-1].output
+    run = runs[-1]
+    assert run.metrics["train_losses"] == pytest.approx(runs[0].metrics["train_losses"], rel=1e-5)
+    check = ("import sys, torch; from transformers import T5ForConditionalGeneration as T; "
+             "m = T.from_pretrained(sys.argv[1]); full = torch.load(sys.argv[2]); "
+             "assert m.lm_head.weight is not m.shared.weight; "
+             "assert torch.equal(m.lm_head.weight, full['lm_head.weight'])")
+    proc = subprocess.run([sys.executable, "-c", check, run.metrics["checkpoint"],
+                           run.metrics["checkpoint_pt"]], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def still_args(still_t5_dir, wikihow_dir, ranks, *args):
+    """2 epochs of the dropout-free tiny T5 in a global batch of 8 over `ranks` ranks. (At --lr
+    0.01, Adam makes the last digits' differences of another reduction order grow to 1e-5 in 32
+    steps; at 0.002 they stay below 1e-7.)"""
+    return [*t5_args(still_t5_dir, wikihow_dir, 2), "--lr", 0.002, "--batch-size", 8 // ranks,
+            *args]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fsdp2_at_other_world_sizes_gives_the_same_losses(cached_torchrun, still_t5_dir,
+                                                          wikihow_dir, ranks):
+    """Without dropout and with the same global batch, FSDP2 on 1 and on 2 ranks gives FSDP1's
+    2-rank losses within 1e-5 (HSDP on 2 x 2: tests/test_two_nodes.py)."""
+    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_REFERENCE))
+    run = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, ranks, *V2,
+                                              "--no-save-model"), nproc=ranks)
+    assert fsdp1.returncode == 0 and run.returncode == 0, fsdp1.output + run.output
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)
+
+
+def test_fsdp1_checkpoint_resumes_under_fsdp2_on_one_rank(cached_torchrun, torchrun, tmp_path,
+                                                          still_t5_dir, wikihow_dir):
+    """FSDP1's 2-rank epoch-1 checkpoint resumed by FSDP2 on 1 rank (DCP reshards it) trains epoch 2
+    as the 2-rank run did, within 1e-5."""
+    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_REFERENCE))
+    shutil.copytree(fsdp1.cwd / "checkpoint-epoch-1", tmp_path / "ckpt" / "checkpoint-epoch-1")
+    run = torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 1, *T5_REFERENCE, *V2),
+                   "--resume", "auto", "--save-dir", "ckpt", nproc=1)
+    assert run.returncode == 0, run.output
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)

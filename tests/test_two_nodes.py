@@ -106,3 +106,21 @@ def test_t5_hybrid_shard_on_two_nodes_matches_one_node(tmp_path, t5_reference, t
     assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == "NO_SHARD"
     for key in ("train_losses", "val_losses"):
         assert metrics[key] == pytest.approx(t5_reference.metrics[key][:2], rel=1e-4)
+
+
+def test_t5_fsdp2_hybrid_shard_on_two_nodes_matches_one_rank(tmp_path, cached_torchrun,
+                                                            still_t5_dir, wikihow_dir):
+    """t5_fsdp_finetune.py --fsdp-version 2 HYBRID_SHARD on 2 nodes of 2 processes: HSDP on a
+    (2, 2) mesh, replicated across the nodes, sharded within each. Without dropout and with the
+    same global batch (8: 2 per rank), the losses of one rank within 1e-5."""
+    def args(ranks):  # as tests/test_t5.py's still_args: its 1-rank run serves here too
+        return [*t5_args(still_t5_dir, wikihow_dir, 2), "--lr", 0.002, "--batch-size", 8 // ranks,
+                "--fsdp-version", 2, "--no-save-model"]
+
+    metrics = run_two_nodes(tmp_path, "t5_fsdp_finetune.py", *args(4), "--sharding-strategy",
+                            "HYBRID_SHARD", nproc_per_node=2)
+    one = cached_torchrun("t5_fsdp_finetune.py", *args(1), nproc=1)
+    assert one.returncode == 0, one.output
+    assert metrics["world_size"] == 4 and metrics["sharding_strategy"] == "HYBRID_SHARD"
+    for key in ("train_losses", "val_losses"):
+        assert metrics[key] == pytest.approx(one.metrics[key], rel=1e-5)

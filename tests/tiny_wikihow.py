@@ -122,9 +122,12 @@ def train_vocab(lines, vocab_size):
             for i in range(processor.get_piece_size())]
 
 
-def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2):
+def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2, untied=False,
+                  **config):
     """save_pretrained a small random T5 and its tokenizer into path; return path. (The defaults:
-    200 KB of weights; d_model 1024 and 4 layers: 322 MB, enough to show in a process's memory.)"""
+    200 KB of weights, lm_head tied to the embedding as in t5-small; d_model 1024 and 4 layers:
+    322 MB, enough to show in a process's memory.) untied: an lm_head of its own, as T5 v1.1 and
+    flan-t5 have; config: other T5Config values."""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
     from transformers.utils import logging as hf_logging
@@ -137,11 +140,18 @@ def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2):
     config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2,
                       d_ff=2 * d_model, num_layers=num_layers, num_heads=2,
                       relative_attention_num_buckets=8,
-                      relative_attention_max_distance=32, dropout_rate=0.1,
+                      relative_attention_max_distance=32,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                      decoder_start_token_id=tokenizer.pad_token_id)
+                      decoder_start_token_id=tokenizer.pad_token_id,
+                      **{"dropout_rate": 0.1, **config})
     torch.manual_seed(seed)
-    T5ForConditionalGeneration(config).save_pretrained(path)
+    model = T5ForConditionalGeneration(config)
+    if untied:
+        # transformers 5 ties T5's lm_head always (T5Config forces tie_word_embeddings, whose
+        # False only turns off v1.1's output scaling), unless a checkpoint holds two different
+        # tensors: as flan-t5's does.
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight) / d_model)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
 
