@@ -1,12 +1,10 @@
 """FSDP fine-tuning of Hugging Face T5 for WikiHow summarization, on GPUs or on CPU.
 
 After the PyTorch tutorial "Advanced Model Training with Fully Sharded Data Parallel": FSDP1 on a
-real pretrained model, one unit per T5Block (transformer auto-wrap), device_id initialization,
-sharding strategies, backward prefetch, mixed-precision policies, activation checkpointing, the
-rank-0 streaming full-state-dict save and resumable sharded (DCP) checkpoints. --fsdp-version 2
-moves it to FSDP2 (fully_shard, which PyTorch recommends for new code; fsdp2_transformer.py
-teaches it from scratch): the same units, losses and checkpoints. The FSDP parts are wrap_model()
-and shard_model(); main() is the recipe.
+pretrained model, one unit per T5Block, device_id initialization, sharding strategies, backward
+prefetch, mixed precision, activation checkpointing, the rank-0 streaming full-state-dict save
+and resumable sharded (DCP) checkpoints; --fsdp-version 2 shards the same units with FSDP2
+(fully_shard, which fsdp2_transformer.py teaches). The FSDP parts: wrap_model(), shard_model().
 
     python t5_fsdp_finetune.py                           # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 4 t5_fsdp_finetune.py --sharding-strategy SHARD_GRAD_OP \\
@@ -94,8 +92,9 @@ POLICIES_FSDP2 = {  # FSDP2's: fp32 shards, computed in param_dtype, reduced in 
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "grad-bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
 }
-
-
+# Non-reentrant activation checkpointing takes T5Block's keyword arguments and recomputes with the
+# saved RNG state (same dropout, same losses). Not the tutorial's offload_to_cpu=False: newer torch
+# hands it on to T5Block.forward (the TypeError of pytorch/examples#1210).
 NON_REENTRANT = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
@@ -141,10 +140,6 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
         param_init_fn=param_init_fn,
     )
     if activation_checkpointing:
-        # Only checkpoint_impl is passed: the tutorial also passed offload_to_cpu=False, which newer
-        # torch hands on to T5Block.forward (the TypeError of pytorch/examples#1210). Non-reentrant
-        # checkpointing takes T5Block's keyword arguments and restores the RNG state when it
-        # recomputes, so dropout masks, and losses, are those of a run without it.
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
                                        checkpoint_wrapper_fn=NON_REENTRANT)
     return model
@@ -152,23 +147,22 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
 
 def shard_model(model, device, sharding_strategy, mp_policy, activation_checkpointing,
                 broadcast_from_rank0=False):
-    """FSDP2 (fully_shard) with wrap_model's units: each T5Block, then the root, whose group holds
-    the embedding that encoder, decoder and a tied lm_head share (a parameter must sit in one
-    group: fully_shard(model.shared) alone is refused). No wrapper: the parameters become DTensor
-    shards in place, under their own names. FSDP1's strategies: HYBRID_SHARD is HSDP on a (nodes,
-    node size) mesh (replicate, shard); SHARD_GRAD_OP keeps a block's gathered parameters from its
-    forward to its backward. broadcast_from_rank0 (--cpu-ram-efficient-loading): only rank 0's
-    model has weights, the others are on the meta device."""
+    """FSDP2 with wrap_model's units: each T5Block, then the root, whose group holds the embedding
+    that encoder, decoder and a tied lm_head share (a parameter sits in one group: fully_shard(
+    model.shared) alone is refused). The parameters become DTensor shards in place, same names.
+    broadcast_from_rank0: only rank 0's model has weights, the others are on the meta device."""
     world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
-                            if sharding_strategy == "HYBRID_SHARD" else (world_size,))
+    hybrid = sharding_strategy == "HYBRID_SHARD"  # HSDP: replicate across nodes, shard within each
+    shape = (world_size // local_world_size, local_world_size) if hybrid else (world_size,)
+    mesh = init_device_mesh(device.type, shape,
+                            mesh_dim_names=("replicate", "shard") if hybrid else ("shard",))
     full_state = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else {}
     if activation_checkpointing:  # as in wrap_model, but before sharding
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
                                        checkpoint_wrapper_fn=NON_REENTRANT)
     for module in (*model.encoder.block, *model.decoder.block, model):
         fully_shard(module, mesh=mesh, mp_policy=mp_policy,
-                    reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")
+                    reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")  # ZeRO-2: False
     if broadcast_from_rank0:
         model.to_empty(device=device)  # this rank's shards get memory; tied ones stay one tensor
         set_model_state_dict(model, full_state, options=StateDictOptions(
@@ -431,8 +425,7 @@ def parse_args():
              "to backward (ZeRO-2; False); NO_SHARD is DDP (FSDP1 only); HYBRID_SHARD shards "
              "within a node, replicates across nodes (FSDP2: a 2-D mesh)")
     add("--backward-prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST",
-        "NONE"], help="when to all-gather the next unit's parameters in backward (FSDP2 always "
-        "prefetches the next block as BACKWARD_PRE does)")
+        "NONE"], help="when to all-gather the next unit's parameters in backward (FSDP2: PRE)")
     add("--mixed-precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "grad-bf16"],
         help="auto: bf16 on GPUs with native bf16, else fp32 (also on CPU); bf16/fp16: compute, "
              "reduction and buffers in that dtype (fp16: a sharded grad scaler; FSDP2: bf16 "
@@ -530,12 +523,11 @@ NOT_IN_FSDP2 = {
 }
 
 
-def fsdp2_problem(args):
-    """Why --fsdp-version 2 cannot run these flags (NOT_IN_FSDP2), or None."""
+def check_fsdp2_flags(args):
+    """Refuse, in one line, a flag that --fsdp-version 2 has no equivalent for (NOT_IN_FSDP2)."""
     for (flag, value), instead in NOT_IN_FSDP2.items() if args.fsdp_version == 2 else ():
         if getattr(args, flag) == value:
-            return f"--fsdp-version 2 has no {instead}"
-    return None
+            fail(f"--fsdp-version 2 has no {instead}")
 
 
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
@@ -553,8 +545,7 @@ def check_flags(args, device, world_size):
         fail("--checkpoint-type sharded writes checkpoints; --no-save-model turns them off")
     if args.resume == "auto" and args.checkpoint_type != "sharded":
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
-    if fsdp2_problem(args):
-        fail(fsdp2_problem(args))
+    check_fsdp2_flags(args)
     if args.limit_all_gathers is None and args.fsdp_version == 1:
         args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
     args.model_name = name = os.path.expanduser(args.model_name)
@@ -1004,8 +995,7 @@ def exit_if_plan(args):
     device_gib = args.plan_device_memory or (
         torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
     name = os.path.expanduser(args.model_name)
-    if fsdp2_problem(args):
-        fail(fsdp2_problem(args))
+    check_fsdp2_flags(args)
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         fail(f"--plan: {name} holds no config.json; pass a directory written by save_pretrained "
              "or a hub id such as t5-base")

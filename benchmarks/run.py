@@ -17,8 +17,9 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   measured.
 - FSDP2 (world size 1, 2, and 4 where there are 4 cores): plain, --explicit-prefetching,
   --mixed-precision, --no-reshard-after-forward; training state per rank against the ideal 1/N.
-- T5 (world size 2, CPU, fp32): FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with BACKWARD_PRE, and
-  FULL_SHARD with BACKWARD_POST and with no backward prefetch.
+- T5 (world size 2, CPU, fp32): FSDP1's FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with BACKWARD_PRE,
+  FULL_SHARD with BACKWARD_POST and with no backward prefetch; FSDP2's FULL_SHARD and
+  SHARD_GRAD_OP (--fsdp-version 2).
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -71,8 +72,11 @@ FSDP2_OPTIONS = {"plain": [], "explicit-prefetching": ["--explicit-prefetching"]
 FSDP2_BATCH, FSDP2_SEQ_LEN = 32, 32
 T5_SIZES = ["--input-length", "64", "--output-length", "24", "--num-train-samples", "128",
             "--num-val-samples", "31", "--batch-size", "4", "--test-batch-size", "4"]
-T5_CONFIGS = [("FULL_SHARD", "BACKWARD_PRE"), ("SHARD_GRAD_OP", "BACKWARD_PRE"),
-              ("NO_SHARD", "BACKWARD_PRE"), ("FULL_SHARD", "BACKWARD_POST"), ("FULL_SHARD", "NONE")]
+# (--fsdp-version, --sharding-strategy, --backward-prefetch); FSDP2 always prefetches as PRE does.
+T5_CONFIGS = [(1, "FULL_SHARD", "BACKWARD_PRE"), (1, "SHARD_GRAD_OP", "BACKWARD_PRE"),
+              (1, "NO_SHARD", "BACKWARD_PRE"), (1, "FULL_SHARD", "BACKWARD_POST"),
+              (1, "FULL_SHARD", "NONE"), (2, "FULL_SHARD", "BACKWARD_PRE"),
+              (2, "SHARD_GRAD_OP", "BACKWARD_PRE")]
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -302,17 +306,19 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
     if "t5" in args.only:
         # On CPU, fp32 for every strategy (bf16 has no native units there): a like-for-like
         # comparison. At world size 1, FSDP1 runs every strategy as NO_SHARD, so on the GPU only
-        # fp32 and bf16 are compared.
-        for strategy, prefetch, precision in ([(s, p, "fp32") for s, p in T5_CONFIGS] if on_cpu else
-                                              [("FULL_SHARD", "BACKWARD_PRE", "fp32"),
-                                               ("FULL_SHARD", "BACKWARD_PRE", "bf16")]):
+        # fp32 and bf16 are compared, for both FSDP versions.
+        t5_runs = ([(*config, "fp32") for config in T5_CONFIGS] if on_cpu else
+                [(version, "FULL_SHARD", "BACKWARD_PRE", precision)
+                 for version in (1, 2) for precision in ("fp32", "bf16")])
+        for version, strategy, prefetch, precision in t5_runs:
             configs.append({"benchmark": "t5", "device": device,
-                            "world_size": 2 if on_cpu else 1,
-                            "name": f"{strategy} {prefetch} {precision}", "strategy": strategy,
-                            "prefetch": prefetch, "precision": precision,
+                            "world_size": 2 if on_cpu else 1, "fsdp_version": version,
+                            "name": f"FSDP{version} {strategy} {prefetch} {precision}",
+                            "strategy": strategy, "prefetch": prefetch, "precision": precision,
                             "script": "t5_fsdp_finetune.py",
                             "args": ["--model-name", str(t5_model), "--data-dir", str(wikihow_dir),
                                      "--epochs", str(args.t5_epochs), *T5_SIZES,
+                                     "--fsdp-version", str(version),
                                      "--sharding-strategy", strategy,
                                      "--backward-prefetch", prefetch,
                                      "--mixed-precision", precision,
@@ -476,12 +482,14 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                 + ".\n",
                 markdown_table(headers, rows)]
     if "t5" in args.only:
-        base = find("t5", device, strategy="FULL_SHARD", prefetch="BACKWARD_PRE", precision="fp32")
-        no_shard = find("t5", device, strategy="NO_SHARD", prefetch="BACKWARD_PRE",
-                        precision="fp32")
-        headers = ["sharding strategy", "backward prefetch", "precision", "world size",
+        base = find("t5", device, fsdp_version=1, strategy="FULL_SHARD", prefetch="BACKWARD_PRE",
+                    precision="fp32")
+        no_shard = find("t5", device, fsdp_version=1, strategy="NO_SHARD",
+                        prefetch="BACKWARD_PRE", precision="fp32")
+        headers = ["FSDP", "sharding strategy", "backward prefetch", "precision", "world size",
                    "train state / rank (MiB)", "state vs NO_SHARD", peak_label[device],
-                   "epoch time (s)", "train samples/s", "samples/s vs FULL_SHARD BACKWARD_PRE fp32"]
+                   "epoch time (s)", "train samples/s",
+                   "samples/s vs FSDP1 FULL_SHARD BACKWARD_PRE fp32"]
         rows = []
         for c in configs:
             if c["benchmark"] != "t5" or c["device"] != device:
@@ -489,14 +497,16 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
             used = sorted({f["precision_used"] for f in c["figures"]})
             precision = c["precision"] + ("" if used in ([], [c["precision"]])
                                           else f" (ran as {'/'.join(used)})")
-            rows.append([c["strategy"] + (" (FAILED)" if c["failed"] else ""), c["prefetch"],
+            rows.append([c["fsdp_version"], c["strategy"] + (" (FAILED)" if c["failed"] else ""),
+                         c["prefetch"],
                          precision, c["world_size"], fmt(median(c, "state_mib"), ".3f"),
                          fmt(ratio(median(c, "state_mib"), median(no_shard, "state_mib")), ".2f"),
                          fmt(median(c, "peak_mib"), ".1f"), fmt(median(c, "epoch_s"), ".3f"),
                          fmt(median(c, "samples_per_s"), ",.1f"),
                          fmt(ratio(median(c, "samples_per_s"), median(base, "samples_per_s")),
                              ".2f")])
-        out += [f"\n### T5 fine-tuning: sharding strategies and backward prefetch ({where})\n",
+        out += [f"\n### T5 fine-tuning: FSDP1 and FSDP2, sharding strategies, backward prefetch "
+                f"({where})\n",
                 f"{t5_source}; input 64 and output 24 tokens, 128 training and 31 validation "
                 f"articles, batch size 4 per rank, {args.t5_epochs} epochs, --no-save-model; "
                 f"{runs_said}. Epoch time includes validation; train samples/s is the script's "
