@@ -417,7 +417,7 @@ def parse_args():
         help="compute the validation loss every epoch (without: the last epoch's model is saved)")
     add = parser.add_argument_group("FSDP").add_argument
     add("--fsdp-version", type=int, default=1, choices=[1, 2], help="1: FSDP1's wrapper (the "
-        "tutorial's); 2: FSDP2's fully_shard, the same units (README.md, 'T5 on FSDP2')")
+        "tutorial's); 2: FSDP2's fully_shard (README.md, 't5_fsdp_finetune.py on FSDP2')")
     add("--sharding-strategy", default="FULL_SHARD",
         choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
         help="FULL_SHARD shards parameters, gradients and optimizer state (ZeRO-3; FSDP2: "

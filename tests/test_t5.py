@@ -531,7 +531,7 @@ def test_help_explains_every_flag(help_text):
     assert [f for f in flags if f not in text] == []
     assert ("(default: t5-base)" in text and "(default: 1500)" in text
             and "(default: 0.002)" in text)
-    # FSDP1's flags say what each becomes under FSDP2 (README.md, 'T5 on FSDP2')
+    # FSDP1's flags say what each becomes under FSDP2 (README: 't5_fsdp_finetune.py on FSDP2')
     flat = " ".join(text.split())
     for mapped in ("FSDP2: reshard_after_forward=True", "SHARD_GRAD_OP keeps", "(ZeRO-2; False)",
                    "FSDP2: a 2-D mesh", "FSDP2: bf16 reduces in fp32, no fp16",
