@@ -12,8 +12,7 @@ and resumable sharded (DCP) checkpoints; --fsdp-version 2 shards the same units 
     torchrun --nproc_per_node 4 --max-restarts 3 t5_fsdp_finetune.py --checkpoint-type sharded \\
         --save-dir runs/t5 --resume auto                 # restarts resume after the last epoch
 
-Data: wikihowAll.csv in --data-dir (README.md, "Data"), read by summarization_dataset.py. CUDA +
-NCCL when a GPU is visible, else CPU + gloo. Below the lesson: Safeguards and Plumbing.
+Data: wikihowAll.csv in --data-dir (README.md, "Data"). CUDA + NCCL with a GPU, else CPU + gloo.
 """
 import argparse
 import datetime
@@ -313,6 +312,7 @@ def main(args, device):
                                 sampler=DistributedSampler(val_set, shuffle=False))
 
     # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
+    untie_as_on_rank_0(model)  # a workaround: flan-t5 is untied on rank 0, tied on the meta device
     precision = mixed_precision_choice(args.mixed_precision, device)
     if args.fsdp_version == 1:
         allow_sync_module_states_on_cpu(args.cpu_ram_efficient_loading, device)  # a workaround
@@ -738,6 +738,20 @@ def quiet_known_warnings():
     # out of place, and FSDP2's losses equal FSDP1's (tests/test_t5.py): nothing is wrong.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(T5Block|"
                             r"CheckpointWrapper)\) returned a view tensor")
+
+
+def untie_as_on_rank_0(model):
+    """Workaround: transformers 5 (5.0 to 5.23 at least) ties T5's lm_head to the embedding in a
+    model built from its config (T5Config forces tie_word_embeddings=True) and unties it in
+    from_pretrained only when the checkpoint holds two different tensors, as flan-t5's and T5
+    v1.1's do. With --cpu-ram-efficient-loading, the ranks that build on the meta device would hold
+    one parameter fewer than rank 0, and FSDP's broadcast of rank 0's weights aborts ("Received
+    data size doesn't match expected size"). Rank 0 says whether its lm_head is its own; the others
+    untie theirs to match. Remove when T5Config keeps tie_word_embeddings=False."""
+    untied = [model.lm_head.weight is not model.shared.weight]
+    dist.broadcast_object_list(untied, src=0)
+    if untied[0] and model.lm_head.weight is model.shared.weight:
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight))
 
 
 def allow_sync_module_states_on_cpu(sync_module_states, device):

@@ -730,12 +730,16 @@ def test_fsdp2_cpu_ram_efficient_loading_trains_the_same(t5_reference, t5_run, t
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_untied_lm_head_trains_and_exports(cached_torchrun, untied_t5_dir, wikihow_dir, version):
     """A T5 whose lm_head is its own (T5 v1.1, flan-t5) trains under both versions with the same
-    losses, and its HF export keeps that lm_head (tying it to the embedding would lose it)."""
-    runs = [cached_torchrun(SCRIPT, *t5_args(untied_t5_dir, wikihow_dir, 1), "--fsdp-version", v)
-            for v in (1, version)]
+    losses, also when only rank 0 loads it (--cpu-ram-efficient-loading: the meta-device rank,
+    which transformers builds tied, unties as rank 0's is), and its HF export keeps that lm_head
+    (tying it to the embedding would lose it)."""
+    runs = [cached_torchrun(SCRIPT, *t5_args(untied_t5_dir, wikihow_dir, 1), "--fsdp-version", v,
+                            *loading)
+            for v, loading in ((1, []), (version, ["--cpu-ram-efficient-loading"]))]
     assert all(run.returncode == 0 for run in runs), runs[-1].output
     run = runs[-1]
-    assert run.metrics["train_losses"] == pytest.approx(runs[0].metrics["train_losses"], rel=1e-5)
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(runs[0].metrics[key], rel=1e-5)
     check = ("import sys, torch; from transformers import T5ForConditionalGeneration as T; "
              "m = T.from_pretrained(sys.argv[1]); full = torch.load(sys.argv[2]); "
              "assert m.lm_head.weight is not m.shared.weight; "
