@@ -122,5 +122,8 @@ def test_t5_fsdp2_hybrid_shard_on_two_nodes_matches_one_rank(tmp_path, cached_to
     one = cached_torchrun("t5_fsdp_finetune.py", *args(1), nproc=1)
     assert one.returncode == 0, one.output
     assert metrics["world_size"] == 4 and metrics["sharding_strategy"] == "HYBRID_SHARD"
+    # sharded within a node of 2: half of one rank's training state (a flat mesh of 4: a quarter)
+    assert metrics["train_state_bytes"] / one.metrics["train_state_bytes"] == pytest.approx(
+        0.5, rel=0.01)
     for key in ("train_losses", "val_losses"):
         assert metrics[key] == pytest.approx(one.metrics[key], rel=1e-5)
