@@ -153,62 +153,7 @@ def test_mnist_units_run_copied_alone(tmp_path, script, wrap):
 T5_DRIVER = job("""
 device = torch.device("cpu")
 model_dir, data_dir, out = sys.argv[1:4]
-model, tokenizer = load_model_and_tokenizer(model_dir)
-train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
-loader = DataLoader(train_set, batch_size=4, sampler=DistributedSampler(train_set, seed=0))
-val_loader = DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))
-
-
-def wrapped(model):
-    return wrap_model(model, device, sharding_strategy="FULL_SHARD",
-                      mixed_precision=POLICIES[mixed_precision_choice("fp32", device)],
-                      backward_prefetch="BACKWARD_PRE", limit_all_gathers=True,
-                      activation_checkpointing=True)
-
-
-model = wrapped(model)
-optimizer = optim.AdamW(model.parameters(), lr=0.002)
-scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
-loss = train(model, loader, optimizer, None, epoch=1, device=device)
-val_loss = validation(model, val_loader, device)
-assert loss == loss and val_loss == val_loss
-scheduler.step()
-export_model(model, tokenizer, out + "/best")
-full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                            cpu_offload=False))
-if rank == 0:
-    opened = T5ForConditionalGeneration.from_pretrained(out + "/best-hf").state_dict()
-    assert all(torch.equal(opened[key], value) for key, value in full.items())
-    T5Tokenizer.from_pretrained(out + "/best-hf")
-state = {"epoch": 1, "scheduler": scheduler.state_dict()}
-save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")  # ends in a barrier
-fresh = wrapped(load_model_and_tokenizer(model_dir)[0])
-fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
-fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
-loaded = load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer,
-                                 fresh_scheduler, None)
-again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True,
-                                                             cpu_offload=False))
-assert loaded["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
-assert all(torch.equal(again[key], value) for key, value in full.items())
-rank0_print("copied units: train, validation, export and round trip ok")
-""")
-
-
-def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, wikihow_dir):
-    shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
-    units = ["load_model_and_tokenizer", "load_data", "wrap_model", "mixed_precision_choice",
-             "POLICIES", "train", "validation", "export_model", "save_sharded_checkpoint",
-             "load_sharded_checkpoint"]
-    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER, tiny_t5_dir, wikihow_dir,
-                   tmp_path)
-    assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
-    assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
-
-
-T5_FSDP2_DRIVER = job("""
-device = torch.device("cpu")
-model_dir, data_dir, out, broadcast = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+version, broadcast = int(sys.argv[4]), sys.argv[5] == "1"  # broadcast: FSDP2's, from rank 0
 model, tokenizer = load_model_and_tokenizer(model_dir, on_meta=broadcast and rank > 0)
 tied = model.lm_head.weight is model.shared.weight
 train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
@@ -217,13 +162,19 @@ val_loader = DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_se
 
 
 def sharded(model, broadcast=False):
+    if version == 1:
+        return wrap_model(model, device, sharding_strategy="FULL_SHARD",
+                          mixed_precision=POLICIES[mixed_precision_choice("fp32", device)],
+                          backward_prefetch="BACKWARD_PRE", limit_all_gathers=True,
+                          activation_checkpointing=True)
     return shard_model(model, device, sharding_strategy="FULL_SHARD",
                        mp_policy=POLICIES_FSDP2["fp32"], activation_checkpointing=True,
                        broadcast_from_rank0=broadcast)
 
 
 model = sharded(model, broadcast)
-assert (model.lm_head.weight is model.shared.weight) == tied  # materialized, loaded: still tied
+if version == 2:  # FSDP2 keeps the modules: materialized and loaded, the head is still tied
+    assert (model.lm_head.weight is model.shared.weight) == tied
 optimizer = optim.AdamW(model.parameters(), lr=0.002)
 scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
 loss = train(model, loader, optimizer, None, epoch=1, device=device)
@@ -235,38 +186,49 @@ batch = next(iter(val_loader))
 inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
           "labels": batch["target_ids"], "use_cache": False}
 with torch.no_grad():
-    logits = model(**inputs).logits  # FSDP2 gathers the parameters for this forward
+    logits = model(**inputs).logits  # FSDP gathers the parameters for this forward
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                            cpu_offload=False))
 if rank == 0:
     opened = T5ForConditionalGeneration.from_pretrained(out + "/best-hf").eval()
     assert (opened.lm_head.weight is opened.shared.weight) == tied
+    assert all(torch.equal(opened.state_dict()[key], value) for key, value in full.items())
     with torch.no_grad():
         assert torch.allclose(opened(**inputs).logits, logits, rtol=1e-5, atol=1e-6)
-full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                            cpu_offload=False))
+    T5Tokenizer.from_pretrained(out + "/best-hf")
 state = {"epoch": 1, "scheduler": scheduler.state_dict()}
-save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")
+save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")  # ends in a barrier
 fresh = sharded(load_model_and_tokenizer(model_dir)[0])
 fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
 fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
-load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer, fresh_scheduler, None)
+loaded = load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer,
+                                 fresh_scheduler, None)
 again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True,
                                                              cpu_offload=False))
+assert loaded["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
 assert all(torch.equal(again[key], value) for key, value in full.items())
-rank0_print("copied FSDP2 units: train, validation, export (same logits) and round trip ok")
+rank0_print("copied units: train, validation, export (same logits) and round trip ok")
 """)
+T5_UNITS = ["load_model_and_tokenizer", "load_data", "train", "validation", "export_model",
+            "save_sharded_checkpoint", "load_sharded_checkpoint"]
 
 
-@pytest.mark.parametrize("model", ["tied, weights from rank 0", "untied"])
-def test_t5_fsdp2_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, model):
-    """shard_model copied alone: a tied T5 (t5-small style) whose weights only rank 0 loads, and an
-    untied one (flan-t5 style); the export's logits equal the sharded model's on a batch."""
-    shutil.copy(REPO / "summarization_dataset.py", tmp_path)
-    units = ["load_model_and_tokenizer", "load_data", "shard_model", "POLICIES_FSDP2", "train",
-             "validation", "export_model", "save_sharded_checkpoint", "load_sharded_checkpoint"]
+@pytest.mark.parametrize("version, model", [
+    (1, "tied"), (2, "tied, weights from rank 0"), (2, "untied")])
+def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, version,
+                                   model):
+    """wrap_model (FSDP1) or shard_model (FSDP2) copied alone with the units around them: a tied
+    T5 (t5-small style; under FSDP2 only rank 0 loads its weights) and an untied one (flan-t5
+    style). The export opens with from_pretrained, and its logits equal the sharded model's."""
+    shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
+    units = T5_UNITS + (["wrap_model", "mixed_precision_choice", "POLICIES"] if version == 1
+                        else ["shard_model", "POLICIES_FSDP2"])
     tied = model.startswith("tied")
-    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_FSDP2_DRIVER,
-                   tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, int(tied))
+    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER,
+                   tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, version,
+                   int(version == 2 and tied))
     assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
+    assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_unit_that_calls_a_safeguard_does_not_run_copied(tmp_path):
