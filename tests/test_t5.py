@@ -634,8 +634,9 @@ def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
                                           "--no-save-model"), nproc=1)
         assert run.returncode == 0, run.output
         assert run.metrics["device"] == "cuda" and run.metrics["backend"] == "nccl"
-        expected = ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32") \
-            if precision == "auto" else "fp16"
+        expected = "fp16"
+        if precision == "auto":
+            expected = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32"
         assert run.metrics["mixed_precision"] == expected
         assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
         assert "Peak memory per rank (CUDA allocated)" in run.stdout
@@ -782,3 +783,17 @@ def test_fsdp1_checkpoint_resumes_under_fsdp2_on_one_rank(cached_torchrun, torch
     assert run.returncode == 0, run.output
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
+    """World size 1 on a GPU under FSDP2: auto's bf16 (computed in bf16, reduced in fp32) learns,
+    with the weights broadcast from rank 0 and a sharded checkpoint per epoch; the export opens."""
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 2, *V2, "--checkpoint-type",
+                                    "sharded", "--cpu-ram-efficient-loading"), nproc=1)
+    assert run.returncode == 0, run.output
+    assert run.metrics["device"] == "cuda" and run.metrics["fsdp_version"] == 2
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        assert run.metrics["mixed_precision"] == "bf16"
+    assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
+    assert warning_lines(run.output) == []
