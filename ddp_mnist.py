@@ -629,7 +629,13 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
     # exit: one that ends through os._exit (an error line, Ctrl-C) then leaves "resource_tracker:
     # There appear to be 2 leaked semaphore objects to clean up at shutdown".
     multiprocessing.set_start_method(None, force=True)
-    run_worker(args, use_cuda)
+    try:
+        run_worker(args, use_cuda)
+    except Exception:
+        # mp.spawn keeps a worker's traceback for its join(), which launch does not call (it waits
+        # on the workers itself): printed here, or a bug would end the run in silence, status 1.
+        traceback.print_exc()
+        raise
 
 
 def launch(args):

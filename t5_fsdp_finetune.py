@@ -822,13 +822,15 @@ def describe_fsdp2(model):
     block's group, read from FSDP2's private group state (no public call gives them)."""
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     first = groups[0]._get_fsdp_state()._fsdp_param_group  # private: the group's settings
-    dtypes = [str(d).replace("torch.", "") for d in (first.mp_policy.param_dtype,
-                                                     first.mp_policy.reduce_dtype)]
+    param = first.fsdp_params[0]
+    policy = getattr(param, "mp_policy", None) or first.mp_policy  # torch 2.15: per parameter
+    dtypes = [str(d).replace("torch.", "") for d in (policy.param_dtype, policy.reduce_dtype)]
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    rank0_print(f"FSDP2 sharded {len(groups)} groups on a {tuple(first.mesh_info.mesh.shape)} "
-                f"mesh: reshard_after_forward {first._reshard_after_forward}, mixed precision "
-                f"param {dtypes[0]} reduce {dtypes[1]} (None: not cast), activation "
-                f"checkpointing of {checkpointed} T5Blocks")
+    mesh = tuple(param.sharded_param.device_mesh.shape)
+    rank0_print(f"FSDP2 sharded {len(groups)} groups on a {mesh} mesh: reshard_after_forward "
+                f"{first.post_forward_mesh_info is not None}, mixed precision param {dtypes[0]} "
+                f"reduce {dtypes[1]} (None: not cast), activation checkpointing of "
+                f"{checkpointed} T5Blocks")
     sizes = {}  # (kind of group, parameters, on rank 0) -> how many groups
     for group in groups:
         params = [p.sharded_param for p in group._get_fsdp_state()._fsdp_param_group.fsdp_params]
@@ -1530,7 +1532,13 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
     # exit: one that ends through os._exit (an error line, Ctrl-C) then leaves "resource_tracker:
     # There appear to be 2 leaked semaphore objects to clean up at shutdown".
     multiprocessing.set_start_method(None, force=True)
-    run_worker(args, use_cuda)
+    try:
+        run_worker(args, use_cuda)
+    except Exception:
+        # mp.spawn keeps a worker's traceback for its join(), which launch does not call (it waits
+        # on the workers itself): printed here, or a bug would end the run in silence, status 1.
+        traceback.print_exc()
+        raise
 
 
 def launch(args):

@@ -254,3 +254,19 @@ def test_t5_interrupted_under_python_says_where_to_resume(tmp_path, tiny_t5_dir,
         rf"auto continues from {re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\d+",
         said[0]), stderr
     assert processes_left(tmp_path) == []
+
+
+@pytest.mark.parametrize("script", ["fsdp2_transformer.py", "ddp_mnist.py"])
+def test_a_bug_under_python_shows_its_traceback(tmp_path, mnist_dir, script):
+    """An exception no safeguard knows (a bug put into main) in a process that `python SCRIPT.py`
+    started: its traceback reaches stderr and the run exits 1. (mp.spawn keeps a worker's
+    traceback for a join() that the launcher does not call: such a run ended with status 1 and
+    not a word.)"""
+    copy = script_with_lines(script, tmp_path, "def main(args, device):\n",
+                             "    raise ValueError('a bug that no safeguard knows')\n")
+    args = ["--steps", 1] if script.startswith("fsdp2") else ["--data-dir", mnist_dir]
+    run = run_command([sys.executable, copy, "--cpu", *args], tmp_path, timeout=120)
+    assert run.returncode == 1, run.output
+    assert "Traceback (most recent call last)" in run.stderr, run.output
+    assert "ValueError: a bug that no safeguard knows" in run.stderr, run.output
+    assert processes_left(tmp_path) == []
