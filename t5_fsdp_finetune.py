@@ -475,6 +475,7 @@ import re
 import resource
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -1433,13 +1434,15 @@ def init_process_group(backend, timeout, device):
     Workaround: torchrun (torch 2.14, 2.15) shares one store between the restarts of
     --max-restarts without a prefix per restart: restarted workers read the addresses of those
     they replace and fail, "Connection refused" (as in pytorch/pytorch#167288). Remove it when
-    tests/test_faults.py passes without it."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    tests/test_faults.py and tests/test_slurm.py's restart pass without it. The attempt is counted
+    in that store, each worker adding one: TORCHELASTIC_RESTART_COUNT differs between nodes (an
+    agent that restarts its workers because another node's failed keeps its count)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return dist.init_process_group(backend, timeout=timeout, device_id=device)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"restart_{restart}", store),
+    attempt = (store.add("fsdp_workers_started", 1) - 1) // int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout, device_id=device)
 
@@ -1452,8 +1455,9 @@ def run_worker(args, use_cuda):
         signal.signal(signum, lambda signum, frame: stop_on_signal(signum, args))
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda and local_world_size > gpus:
-        fail(f"{local_world_size} processes on this node but {gpus} GPUs visible; start at most "
-             "one process per GPU (torchrun --nproc_per_node)", node_local=True)
+        fail(f"{local_world_size} processes on this node but {gpus} GPUs visible to each; start "
+             "at most one per GPU (torchrun --nproc_per_node, srun --ntasks-per-node), each seeing "
+             "all of the node's GPUs", node_local=True)
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
@@ -1541,14 +1545,42 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
         raise
 
 
+def slurm_environment():
+    """torchrun's variables for a task that SLURM's srun started without torchrun (srun python
+    SCRIPT.py): the step's tasks are one job, ranked by SLURM, meeting on the first node of the
+    step at a port derived from the job and step ids (MASTER_ADDR, MASTER_PORT override them)."""
+    per_node = []  # SLURM_STEP_TASKS_PER_NODE: "2(x3),1" is 2, 2, 2, 1
+    for count, repeat in re.findall(r"(\d+)(?:\(x(\d+)\))?",
+                                    os.environ["SLURM_STEP_TASKS_PER_NODE"]):
+        per_node += [int(count)] * int(repeat or 1)
+    step = int(os.environ["SLURM_JOB_ID"]) * 16 + int(os.environ.get("SLURM_STEP_ID", 0))
+    nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_STEP_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    return {"RANK": os.environ["SLURM_PROCID"], "LOCAL_RANK": os.environ["SLURM_LOCALID"],
+            "WORLD_SIZE": os.environ["SLURM_STEP_NUM_TASKS"],
+            "LOCAL_WORLD_SIZE": str(per_node[int(os.environ["SLURM_NODEID"])]),
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", nodes[0]),
+            "MASTER_PORT": os.environ.get("MASTER_PORT", str(20000 + step % 40000))}
+
+
 def launch(args):
-    """Under torchrun, run in this process; started with python, spawn --world-size processes
-    (default: one per GPU, or 2 on CPU) that meet on a free port of this machine."""
+    """Under torchrun, run in this process; under srun without torchrun, run in this process as
+    the task SLURM made it; started with python, spawn --world-size processes (default: one per
+    GPU, or 2 on CPU) that meet on a free port of this machine."""
     use_cuda = torch.cuda.is_available() and not args.cpu
+    launcher = "torchrun"
+    if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # a task of srun's
+        launcher = "srun"
+        os.environ.update(slurm_environment())
+        if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
+            torch.set_num_threads(max(1, (os.cpu_count() or 1)
+                                      // int(os.environ["LOCAL_WORLD_SIZE"])))
     if "RANK" in os.environ:
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
-            fail(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE "
-                 f"{os.environ['WORLD_SIZE']}; leave --world-size out under torchrun")
+            if launcher == "srun" and os.environ["RANK"] != "0":
+                sys.exit(1)  # every task sees it and rank 0 says it; srun would not stop this one
+            fail(f"--world-size {args.world_size} disagrees with the {os.environ['WORLD_SIZE']} "
+                 f"processes {launcher} started; leave --world-size out under {launcher}")
         return run_worker(args, use_cuda)
     gpus = torch.cuda.device_count() if use_cuda else 0
     world_size = args.world_size or gpus or 2
