@@ -17,6 +17,7 @@ from conftest import (
     run_command,
     t5_args,
 )
+from forked_torchrun import SWITCH
 
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
 
@@ -127,3 +128,27 @@ def test_t5_fsdp2_hybrid_shard_on_two_nodes_matches_one_rank(tmp_path, cached_to
         0.5, rel=0.01)
     for key in ("train_losses", "val_losses"):
         assert metrics[key] == pytest.approx(one.metrics[key], rel=1e-5)
+
+
+def test_kubeflow_environment_alone_makes_two_nodes(tmp_path, cached_torchrun):
+    """Kubeflow's PyTorchJob (and Trainer) configure torchrun through PET_* variables only: two
+    agents given nothing but PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
+    PET_MASTER_PORT form one job of 2 ranks, with one node's losses."""
+    args = [*FSDP2_TINY, "--steps", 10]
+    port = free_port()
+    agents = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for node in (0, 1):
+            folder = tmp_path / f"node{node}"
+            folder.mkdir()
+            env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node),
+                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": "1", SWITCH: "0"}  # real agents: they read the variables
+            command = [*TORCHRUN, REPO / "fsdp2_transformer.py", *args]
+            agents.append(pool.submit(run_command, command, folder, 300, env))
+        runs = [agent.result() for agent in agents]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(run.output for run in runs)
+    metrics = runs[0].metrics  # the static rendezvous: node rank 0 holds rank 0
+    one_node = cached_torchrun("fsdp2_transformer.py", *args)
+    assert metrics["world_size"] == 2 and runs[1].metrics is None
+    assert metrics["losses"] == pytest.approx(one_node.metrics["losses"], rel=1e-6)
