@@ -267,6 +267,8 @@ OTHER_PROGRAMS = ("pip ", "pytest", "benchmarks/run.py")
 TORCHRUN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--node-rank",
                   "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--standalone",
                   "--max-restarts"}
+SLURM_FLAGS = {"--nodes", "--gpus-per-node", "--ntasks-per-node", "--kill-on-bad-exit",
+               "--partition", "--account", "--time"}
 
 
 def test_every_flag_the_readme_names_is_in_help(help_text):
@@ -274,7 +276,7 @@ def test_every_flag_the_readme_names_is_in_help(help_text):
     assert set(flags) == set(LESSONS), flags.keys()
     for script, named in flags.items():
         text = help_text(script)
-        missing = sorted(f for f in named - TORCHRUN_FLAGS
+        missing = sorted(f for f in named - TORCHRUN_FLAGS - SLURM_FLAGS
                          if f"{f} " not in text and f"{f}," not in text)
         assert missing == [], f"README names {missing} for {script}, which its --help lacks"
 
