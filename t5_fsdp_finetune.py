@@ -387,7 +387,7 @@ def main(args, device):
              mixed_precision=precision)
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = RankZeroArgumentParser(
         description="PyTorch T5 FSDP fine-tuning example (WikiHow summarization)")
     on_off = argparse.BooleanOptionalAction
@@ -455,7 +455,7 @@ def parse_args():
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--track-memory", action=on_off, default=True, help="print peak memory every epoch")
     add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
-    return exit_if_plan(parser.parse_args())  # --plan prints the memory plan and exits
+    return exit_if_plan(parser.parse_args(argv))  # --plan prints the memory plan and exits
 
 
 # ==================================================================================================
@@ -478,6 +478,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -1450,24 +1451,30 @@ def init_process_group(backend, timeout, device):
 @record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(args, use_cuda):
     """main(args, device) in this process's process group; a lost peer or Ctrl-C ends it in one
-    line."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda signum, frame: stop_on_signal(signum, args))
+    line. Where a framework made the group already (Ray Train's TorchTrainer runs launch in its
+    workers), this process joins no other and takes the GPU it was given."""
+    made_here = not dist.is_initialized()
+    if threading.current_thread() is threading.main_thread():  # not in Ray's: its signals
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda signum, frame: stop_on_signal(signum, args))
     gpus, local_world_size = torch.cuda.device_count(), int(os.environ["LOCAL_WORLD_SIZE"])
     if use_cuda and local_world_size > gpus:
         fail(f"{local_world_size} processes on this node but {gpus} GPUs visible to each; start "
              "at most one per GPU (torchrun --nproc_per_node, srun --ntasks-per-node), each seeing "
              "all of the node's GPUs", node_local=True)
     device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
+    if use_cuda and not made_here:
+        device = torch.device("cuda", torch.cuda.current_device())
     if use_cuda:
         torch.cuda.set_device(device)
     # The script's flag checks, before any process group: a bad input fails at once, also each of
     # torchrun's --max-restarts retries (torchrun retries every failure; nothing says "final").
     check_flags(args, device, int(os.environ["WORLD_SIZE"]))
     try:  # a collective that waits longer than --dist-timeout for a peer fails, not hangs
-        init_process_group("nccl" if use_cuda else "gloo",
-                           datetime.timedelta(seconds=args.dist_timeout),
-                           device if use_cuda else None)
+        if made_here:
+            init_process_group("nccl" if use_cuda else "gloo",
+                               datetime.timedelta(seconds=args.dist_timeout),
+                               device if use_cuda else None)
         main(args, device)  # its model and optimizer are garbage once it returns
     except (torch.OutOfMemoryError, MemoryError) as e:
         fail(f"out of memory ({' '.join(str(e).split()).split('. ')[0]}): {MEMORY_ADVICE}")
@@ -1497,7 +1504,7 @@ def run_worker(args, use_cuda):
             traceback.clear_frames(error.__traceback__)
             error = error.__context__
         gc.collect()
-        if dist.is_initialized():
+        if dist.is_initialized() and made_here:
             dist.destroy_process_group()
         if FAILING:  # Workaround, the same abort: its error line is out, so end now, before
             # the interpreter's teardown, where gloo's threads can still abort it (1 in 5 T5
