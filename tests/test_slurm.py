@@ -4,6 +4,7 @@ slurm-wlm and munge) and stopped after these tests. `srun python SCRIPT.py` must
 slurm.sbatch must run a script on two nodes, with the losses of torchrun on one machine."""
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     REPO,
+    Run,
     full_state_of,
     run_command,
     t5_args,
@@ -194,14 +196,33 @@ def test_srun_on_two_nodes_is_hsdp(slurm, tmp_path, cached_torchrun):
 ONE_PROCESS_PER_NODE = {"NPROC_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
 
 
-def sbatch(env, tmp_path, script, *args, timeout=300):
-    """slurm.sbatch on two nodes, waited for; returns the Run (stdout: the job's output file)."""
-    command = ["sbatch", "--wait", "--nodes", 2, "--output", tmp_path / "job.out",
+def submit(env, tmp_path, script, *args):
+    """slurm.sbatch SCRIPT.py ARGS on two nodes, submitted in tmp_path (output job.out, metrics
+    metrics.json); returns the job id."""
+    command = ["sbatch", "--parsable", "--nodes", 2, "--output", tmp_path / "job.out",
                REPO / "slurm.sbatch", REPO / script, *args, "--metrics-json",
                tmp_path / "metrics.json"]
-    run = run_command(command, tmp_path, timeout, env={**env, **ONE_PROCESS_PER_NODE})
-    run.stdout = (tmp_path / "job.out").read_text()
-    return run
+    proc = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, **env, **ONE_PROCESS_PER_NODE})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def wait_for_job(env, job, tmp_path, timeout=300):
+    """The job's Run once it has ended (stdout: its output file). Polled, not sbatch --wait, which
+    sleeps up to 32 s between looks: 30 s more per job."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                               text=True, env={**os.environ, **env}).stdout
+        state = dict(re.findall(r"(\w+)=(\S+)", shown))
+        if state.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            break
+        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')}"
+        time.sleep(0.2)
+    metrics = tmp_path / "metrics.json"
+    return Run(int(state["ExitCode"].split(":")[0]), (tmp_path / "job.out").read_text(), "",
+               json.loads(metrics.read_text()) if metrics.exists() else None, tmp_path)
 
 
 @pytest.mark.parametrize("script", ["fsdp2_transformer.py", "t5_fsdp_finetune.py"])
@@ -209,7 +230,7 @@ def test_the_job_script_runs_on_two_nodes(slurm, tmp_path, cached_torchrun, data
     """`sbatch --nodes 2 slurm.sbatch SCRIPT.py ...`: a torchrun on each node, one process each,
     meeting on the first node: torchrun's 2-process losses."""
     args = RUNS[script](data)
-    run = sbatch(slurm, tmp_path, script, "--cpu", *args)
+    run = wait_for_job(slurm, submit(slurm, tmp_path, script, "--cpu", *args), tmp_path)
     assert run.returncode == 0 and run.metrics, run.stdout
     assert run.metrics["world_size"] == 2
     reference = cached_torchrun(script, "--cpu", *args)
@@ -247,23 +268,18 @@ def test_the_job_script_restarts_a_killed_worker_from_its_checkpoint(slurm, tmp_
     """slurm.sbatch ... --max-restarts 1 with checkpoints every 10 steps: a worker killed (SIGKILL)
     after step 15 is restarted with the other node's, both resume from step 10, and the run ends
     with the uninterrupted run's losses and its final checkpoint, bit for bit."""
-    command = ["sbatch", "--wait", "--nodes", 2, "--output", tmp_path / "job.out",
-               REPO / "slurm.sbatch", REPO / "fsdp2_transformer.py", *FSDP2_REFERENCE,
-               "--metrics-json", tmp_path / "metrics.json", "--max-restarts", 1]
-    job = subprocess.Popen([str(c) for c in command], cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, **slurm, **ONE_PROCESS_PER_NODE})
+    job = submit(slurm, tmp_path, "fsdp2_transformer.py", *FSDP2_REFERENCE, "--max-restarts", 1)
     output = tmp_path / "job.out"
     deadline = time.monotonic() + 120
     while not (output.exists() and "step 15 |" in output.read_text()):
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        assert time.monotonic() < deadline, output.read_text() if output.exists() else job
         time.sleep(0.05)
     os.kill(max(script_workers("fsdp2_transformer.py")), signal.SIGKILL)
-    job.wait(timeout=300)
-    said = output.read_text()
-    assert job.returncode == 0, said
+    run = wait_for_job(slurm, job, tmp_path)
+    said = run.stdout
+    assert run.returncode == 0, said
     assert f"Resumed from {tmp_path / 'ckpt' / 'step_000010'} at step 10" in said, said
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    metrics = run.metrics
     assert metrics["first_step"] == 11
     assert metrics["losses"] == fsdp2_reference.metrics["losses"][10:]
     final = full_state_of(tmp_path / "ckpt" / "step_000020")
