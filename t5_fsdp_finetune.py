@@ -1530,13 +1530,19 @@ def stop_on_signal(signum, args):
     os._exit(128 + signum)
 
 
+def share_the_cores(processes):
+    """As torchrun does for the processes it starts on a node: each takes its share of the cores
+    (unless OMP_NUM_THREADS says otherwise), not all of them."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
 def spawn_worker(rank, args, use_cuda, world_size, port):
     # What torchrun would set, so that both ways to launch run the same code.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    share_the_cores(world_size)
     # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
     # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
     # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
@@ -1579,9 +1585,7 @@ def launch(args):
     if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # a task of srun's
         launcher = "srun"
         os.environ.update(slurm_environment())
-        if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: share the cores out
-            torch.set_num_threads(max(1, (os.cpu_count() or 1)
-                                      // int(os.environ["LOCAL_WORLD_SIZE"])))
+        share_the_cores(int(os.environ["LOCAL_WORLD_SIZE"]))
     if "RANK" in os.environ:
         if args.world_size not in (None, int(os.environ["WORLD_SIZE"])):
             if launcher == "srun" and os.environ["RANK"] != "0":

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,17 @@ def script_with_lines(script, folder, after, lines):
     assert after in code, f"{script} no longer has the line {after!r}"
     (folder / script).write_text(code.replace(after, after + lines, 1))
     return folder / script
+
+
+def free_ports(count):
+    """count distinct free ports of this machine (held together while they are found)."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def torchrun_command(script, args, nproc, max_restarts=0):

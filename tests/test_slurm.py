@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from conftest import (
     MNIST_TINY,
     REPO,
     Run,
+    free_ports,
     full_state_of,
     run_command,
     t5_args,
@@ -27,16 +27,6 @@ from conftest import (
 
 NODES = ("fsdpnode1", "fsdpnode2")
 HOSTS_LINE = f"127.0.0.1 {' '.join(NODES)}  # tests/test_slurm.py, removed when it ends\n"
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def slurm_config(folder, ports):

@@ -2,7 +2,6 @@
 c10d rendezvous on localhost, as two machines would. The results must be those of one node with 2
 processes."""
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,6 +13,7 @@ from conftest import (
     REPO,
     TORCHRUN,
     copy_fsdp2_checkpoint,
+    free_ports,
     run_command,
     t5_args,
 )
@@ -22,15 +22,9 @@ from forked_torchrun import SWITCH
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_nodes(tmp_path, script, *args, nproc_per_node=1):
     """Start node 0 and node 1, each in its own folder; return the metrics global rank 0 wrote."""
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
     agents = []
     with ThreadPoolExecutor(max_workers=2) as pool:
         for node in (0, 1):
@@ -135,7 +129,7 @@ def test_kubeflow_environment_alone_makes_two_nodes(tmp_path, cached_torchrun):
     agents given nothing but PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and
     PET_MASTER_PORT form one job of 2 ranks, with one node's losses."""
     args = [*FSDP2_TINY, "--steps", 10]
-    port = free_port()
+    port, = free_ports(1)
     agents = []
     with ThreadPoolExecutor(max_workers=2) as pool:
         for node in (0, 1):
