@@ -239,16 +239,19 @@ def test_a_contradictory_launch_says_so_in_one_line(slurm, tmp_path):
     assert "Exited with exit code 1" in run.stderr
 
 
-def script_workers(script):
-    """pids of the processes running script (a torchrun's workers; not torchrun itself)."""
+def job_workers(script, job):
+    """pids of the workers that the torchruns of SLURM job `job` started for script (not the job's
+    shell or srun, nor any other process that names the script, such as the tests' servers)."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
             command = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
             continue
-        if any(part.endswith(script.encode()) for part in command) and (
-                b"torch.distributed.run" not in command and b"sbatch" not in command[0]):
+        started_by_torchrun = any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ)
+        if (f"SLURM_JOB_ID={job}".encode() in environ and started_by_torchrun
+                and any(part.endswith(script.encode()) for part in command)):
             pids.append(int(entry))
     return pids
 
@@ -264,7 +267,9 @@ def test_the_job_script_restarts_a_killed_worker_from_its_checkpoint(slurm, tmp_
     while not (output.exists() and "step 15 |" in output.read_text()):
         assert time.monotonic() < deadline, output.read_text() if output.exists() else job
         time.sleep(0.05)
-    os.kill(max(script_workers("fsdp2_transformer.py")), signal.SIGKILL)
+    workers = job_workers("fsdp2_transformer.py", job)
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGKILL)
     run = wait_for_job(slurm, job, tmp_path)
     said = run.stdout
     assert run.returncode == 0, said
