@@ -609,6 +609,7 @@ def run_worker(args, use_cuda):
             # when that bad-input row passes 20 runs without it. A bug's traceback goes to @record.
             sys.stdout.flush()
             sys.stderr.flush()
+            end_child_processes()
             os._exit(1)
 
 
@@ -624,7 +625,16 @@ def stop_on_signal(signum, args):
                 f"{resume_hint(args)}\n")
         os.write(sys.stderr.fileno(), line.encode())  # not print: safe wherever Python stopped
     sys.stdout.flush()
+    end_child_processes()
     os._exit(128 + signum)
+
+
+def end_child_processes():
+    """Before os._exit, which skips their shutdown: kill the processes this one started (DCP's
+    checkpoint writer, which would otherwise outlive it and print an EOFError traceback once it
+    finds its parent gone; DataLoader workers)."""
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def share_the_cores(processes):
@@ -640,6 +650,9 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     share_the_cores(world_size)
+    # A process group of its own, with the processes it starts (DCP's checkpoint writer), as
+    # torchrun gives each worker: launch stops them all at once (killpg).
+    os.setpgid(0, 0)
     # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
     # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
     # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
@@ -721,6 +734,8 @@ def launch(args):
     failed = next((w.exitcode for w in workers if w.exitcode), 0)
     for worker in workers:
         worker.kill()
+        with contextlib.suppress(ProcessLookupError):  # with what it started (a worker's group)
+            os.killpg(worker.pid, signal.SIGKILL)
         worker.join()
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -215,17 +217,23 @@ class Checkpointer:
     then renamed: a save cut short leaves a .tmp folder, which resume ignores. full: rank 0
     gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
     model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes only
-    its shards with dcp.save; async_save: in the background, once copied to host memory."""
+    its shards with dcp.save. async_save: save() returns at once; the shards are copied to host
+    memory while the next step runs (its optimizer.step() waits for the copy), then written by a
+    process of DCP's (one per rank), and the checkpoint is marked complete once they are."""
 
     def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
         self.folder, self.config = folder, config
         self.format, self.dcp_api = checkpoint_format, dcp_api
-        self.group, self.pending, self.stager = None, None, None  # stager None: DCP's own
+        self.group, self.pending, self.stager = None, None, None
+        self.staging, self.hook = None, None  # the copy to host memory; the step that waits
         if async_save:
-            # The background writes' collectives go through a process group of their own, never
-            # among training's (as torchtitan does); a thread marks each once it is written.
+            # DCP's writer processes form their gloo group from this one; a thread marks saves.
             self.group = dist.new_group(backend="gloo")
             self.marking = ThreadPoolExecutor(max_workers=1)
+            cuda = torch.cuda.is_available()  # pinned: copies from the GPU at full speed
+            self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
+                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                use_non_blocking_copy=cuda))
 
     def save(self, model, optimizer, step):
         self.wait()  # one save at a time
@@ -245,14 +253,27 @@ class Checkpointer:
         if self.group is None:
             dcp.save(state, checkpoint_id=f"{path}.tmp")
             return self.mark_complete(step, path)
-        # Returns once the shards are in host memory. The future is done once they are written
-        # (on rank 0, DCP's coordinator, once every rank's are): then the checkpoint is marked.
-        written = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group,
-                                 async_stager=self.stager)
-        self.pending = self.marking.submit(self.mark_complete, step, path, written)
+        # Returns at once: the copy runs during the next step, whose optimizer.step() waits for
+        # it (a hook). Later saves reuse the first one's plan (the same shards every time).
+        response = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self.stager,
+                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+        self.staging = response.staging_completion
+        if self.hook is None:
+            self.hook = optimizer.register_step_pre_hook(self.wait_for_staging)
+        # Written once the future is done (on rank 0, DCP's coordinator: every rank's shards).
+        self.pending = self.marking.submit(self.mark_complete, step, path,
+                                           response.upload_completion)
+
+    def wait_for_staging(self, *_):
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
 
     def wait(self):
         """Wait for the last save's background write and marking, if any; raises their error."""
+        self.wait_for_staging()
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
@@ -415,7 +436,8 @@ def main(args, device):
                                                  or step == args.steps)
         log.step(step, loss, grad_norm, check_now=save_now)  # reads the previous step's
         if save_now:
-            log.paused(checkpointer.save(model, optimizer, step))  # returns the pause
+            checkpointer.save(model, optimizer, step)
+            log.paused()
     if checkpointer:
         checkpointer.wait()  # for an asynchronous save still in flight
     log.done(model, optimizer, checkpointer)  # the summary, memory and --metrics-json
@@ -465,12 +487,9 @@ def parse_args(argv=None):
     add("--dcp-api", action="store_true", help="full checkpoints with the DCP state-dict API, "
         "not DTensor's full_tensor/distribute_tensor (the same files either way)")
     add("--async-checkpoint", action="store_true", help="sharded checkpoints written in the "
-        "background by dcp.async_save (--checkpoint.async_mode async): training waits only for "
-        "the copy to host memory")
-    add("--no-resume", action="store_true", help="start at step 0 in a --checkpoint-dir that holds "
-        "no checkpoint (or with --overwrite)")
-    add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
-        "already in --checkpoint-dir")
+        "background by a writer process per rank (dcp.async_save, --checkpoint.async_mode async), "
+        "from a copy to shared host memory made while the next step runs")
+    add_fresh_start_flags(add)  # --no-resume, --overwrite (safeguards of --checkpoint-dir)
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (plumbing)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
     add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
@@ -504,9 +523,9 @@ import threading
 import time
 import traceback
 import warnings
+from concurrent.futures import Future
 
 import torch.multiprocessing as mp
-from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
@@ -522,6 +541,15 @@ ELSEWHERE = "pass another --checkpoint-dir"  # where else a save can go, when a 
 # of F.linear with a bias on a 3-D input are, because an in-place op on it would skip FSDP's
 # backward hook. The step only reads the logits (cross_entropy). Remove when FSDP2 stops warning.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
+
+# Workaround: the checkpoint writer process of DCP (AsyncCheckpointerType.PROCESS, torch 2.11 to
+# 2.15) logs to stderr, through the root logger it configures, a line for every request it waits
+# for, receives and completes, and a failed write's traceback of every rank: each rank's, at every
+# save. It sends a failure to the training process too, which says it in one line. The writer is a
+# spawned process, which imports this file first: this filter reaches it. Remove when DCP logs
+# these at DEBUG.
+logging.getLogger().addFilter(
+    lambda record: not record.pathname.endswith("checkpoint/_async_process_executor.py"))
 
 
 def check_flags(args, device, world_size):
@@ -649,19 +677,29 @@ def check_checkpoint_dir(args):
         rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
 
 
+def add_fresh_start_flags(add):
+    add("--no-resume", action="store_true", help="start at step 0 in a --checkpoint-dir that holds "
+        "no checkpoint (or with --overwrite)")
+    add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
+        "already in --checkpoint-dir")
+
+
 class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
     background write (saying so when that took long), refuses non-finite parameters and a save the
     disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed), and
     returns the seconds training paused; its files reach the disk before the marker does. A
     resume reads only a checkpoint whose marker and tensors fit this model, and a read that fails
-    stops every rank in one line. Asynchronous saves stage into host memory allocated once."""
+    stops every rank in one line. pauses: the seconds each save blocked training (an
+    asynchronous one: in save, and in the next step's wait for its copy to host memory)."""
 
     def __init__(self, folder, config, **options):
         super().__init__(os.path.abspath(folder), config, **options)
         self.given = folder
-        self.stager = ReusedStager() if self.group is not None else None
-        self.started, self.last, self.path = None, None, None
+        if self.stager is not None:  # asynchronous: the divergence check runs with the copy
+            self.stager = FiniteStager(self.stager)
+        self.started, self.last, self.path, self.pauses = None, None, None, []
+        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
 
     def save(self, model, optimizer, step):
         started = time.perf_counter()
@@ -672,19 +710,43 @@ class CheckedCheckpointer(Checkpointer):
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
                         "or to a faster disk")
-        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)  # never save it
+        if self.stager is None:  # never save a diverged model (asynchronous: FiniteStager)
+            stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
         self.path = os.path.join(self.folder, f"step_{step:06d}")
         with saving(self.path, checkpoint_bytes(model, optimizer, full=self.format == "full"),
                     f"{ELSEWHERE}; {last_checkpoint(self.folder)}",
                     sharded=self.format == "sharded"):
-            super().save(model, optimizer, step)
-        return time.perf_counter() - self.started
+            self.pauses.append(0.0)  # an asynchronous save's line may come before it returns
+            with ctrl_c_for_training_only():
+                super().save(model, optimizer, step)
+        self.pauses[-1] += time.perf_counter() - self.started
+        return self.pauses[-1]
+
+    def wait_for_staging(self, *hook_args):
+        """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
+        hook (hook_args), training waited: that counts in the pause of the save; called by wait()
+        at the end of training, it does not."""
+        started, staging, error = time.perf_counter(), self.staging, None
+        try:
+            super().wait_for_staging()
+        except NonFinite as e:
+            error = f"training diverged: {e}; {DIVERGED}"
+        except Exception as e:
+            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
+        if staging is not None:
+            if error and dist.get_rank() == 0:
+                shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
+            agree_on_error(error and f"{error}; {last_checkpoint(self.folder)}")
+            self.pauses[-1] += (time.perf_counter() - started) * bool(hook_args)
+            held = shared_memory_bytes()  # the staged copy, in shared memory
+            self.staged_bytes.append(held - self.shared_before)
+            self.shared_before = held
 
     def saved(self, path):
         """The line of a complete checkpoint (of an asynchronous save: once written), with the
-        time training paused for it: until now, or until the stager's copy was done."""
+        time training paused for it (so far: the next step may still wait for its copy)."""
         background = self.group is not None
-        paused = (self.stager.done if background else time.perf_counter()) - self.started
+        paused = self.pauses[-1] if background else time.perf_counter() - self.started
         rank0_print(f"Saved checkpoint {path}" + " (in the background)" * background
                     + f", training paused {paused:.2f} s")
         self.last = path
@@ -702,19 +764,29 @@ class CheckedCheckpointer(Checkpointer):
             sync_to_disk(self.folder)  # the rename
 
     def wait(self):
-        """The lesson's wait; a failed background write stops every rank in one line, and rank 0
-        removes its .tmp folder."""
-        error = None
-        try:
-            super().wait()
-        except (Exception, dcp.CheckpointException) as e:  # CheckpointException: a BaseException
-            error = (write_problem(e, self.path, ELSEWHERE)
-                     or f"cannot write checkpoint {self.path} ({one_line(root_cause(e))})")
+        """The lesson's wait, the ranks in step: while a rank's background write is under way,
+        they compare every 0.1 s whether one has failed (a writer that died leaves its peers'
+        waiting for it for ever). A failed write stops every rank in one line, and rank 0 removes
+        its .tmp folder."""
+        self.wait_for_staging()  # (every rank: it may take part in a collective)
+        while True:
+            error, finished = None, self.pending is None or self.pending.done()
+            if finished:
+                try:
+                    super().wait()
+                except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
+                    error = (write_problem(e, self.path, ELSEWHERE)
+                             or f"cannot write checkpoint {self.path} ({one_line(root_cause(e))})")
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, (finished, error))
+            if all(finished for finished, _ in states) or any(error for _, error in states):
+                break
+            time.sleep(0.1)
+        error = next((error for _, error in states if error), None)  # every rank's the same
+        if error:
             if dist.get_rank() == 0:
                 shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
-        if error:
-            error = f"{error}; {last_checkpoint(self.folder)}"
-        agree_on_error(error)
+            fail(f"{error}; {last_checkpoint(self.folder)}")
 
     def load(self, model, optimizer):
         """The lesson's load of the newest complete checkpoint as rank 0 finds it, once its marker
@@ -742,6 +814,28 @@ class CheckedCheckpointer(Checkpointer):
                      "to resume from the checkpoint before it, or pass --no-resume")
         agree_on_error(error)
         return step
+
+
+def shared_memory_bytes():
+    """The bytes of shared memory this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+@contextlib.contextmanager
+def ctrl_c_for_training_only():
+    """The threads started inside (DCP's, for an asynchronous save), and the checkpoint writer
+    process they start, have SIGINT blocked: a Ctrl-C reaches the training process, which says
+    where a rerun resumes and ends its writer (end_child_processes), never a writer, which would
+    print a KeyboardInterrupt traceback of each rank's."""
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
 
 def sync_to_disk(path):
@@ -824,68 +918,51 @@ def one_line(error):
     return f"{type(error).__name__}: {text}"
 
 
-class ReusedStager(AsyncStager):
-    """dcp.async_save's staging into host memory allocated at the first save and reused by every
-    later one (pinned on a GPU, so that the copy runs at full speed): training then pauses only
-    for the copy. allocated: the bytes each save allocated (0 after the first); done: when the
-    last copy ended.
+# Workaround: in torch 2.11, DefaultStager frees its host memory after every copy, and a second
+# save with it fails (KeyError: <class 'type'>, pytorch/pytorch#183413; fixed by torch 2.13):
+# there, every save gets a new stager with the lesson's options. Remove when requirements.txt asks
+# for torch >= 2.13.
+STAGER_REUSABLE = torch.__version__ >= (2, 13)
 
-    Workaround: DCP's DefaultStager(StagingOptions(use_pinned_memory=True)) does this, but in torch
-    2.11 a second save with the same stager fails (KeyError: <class 'type'>, pytorch/pytorch#183413,
-    torchtitan#3476), and a new stager per save allocates anew: it copies every DTensor to pageable
-    memory to learn its structure, then pins tensor by tensor, far slower than this stager's
-    empty_like and one pinned block (benchmarks/README.md, the C1B checkpoint rows). These are the
-    private helpers DCP builds its stagers on. Remove when the oldest torch of requirements.txt
-    reuses a DefaultStager and allocates it as fast."""
-    _synchronize_after_execute = False  # stage() returns once the copy is done
 
-    def __init__(self):
-        self.staged, self.allocated, self.done = None, [], None
+class NonFinite(ValueError):
+    """A save's state holds a NaN or infinite parameter."""
+
+
+class FiniteStager(AsyncStager):
+    """The lesson's stager, after a check that no parameter is NaN or infinite: a diverged model
+    is never saved. The check reads every parameter (on CPU as long as the copy does), so it runs
+    in a thread of its own (on a GPU, on a stream of its own) before the copy, off training's
+    path; the next step's wait for the copy learns its outcome (NonFinite)."""
+    _synchronize_after_execute = False  # stage() returns a future
+
+    def __init__(self, stager):
+        self.stager, self.checking = stager, ThreadPoolExecutor(max_workers=1)
+        self.staged_once, self.seconds = False, []  # seconds: each save's check and copy
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def stage(self, state_dict):
-        new = self.staged is None
-        if new:
-            self.staged = empty_on_cpu(state_dict)
-            # On CPU too, unpinned: the tests (CPU) then check the block's offsets.
-            in_one_block(self.staged, pin=torch.cuda.is_available())
-        self.allocated.append(sum(t.numel() * t.element_size() for t in tensors_of(self.staged))
-                              if new else 0)
-        # The tensors are copied into the staged ones; the other values (a learning rate, say)
-        # are those of this save: the returned dict holds both.
-        staged = _copy_state_dict(state_dict, self.staged, non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the copies are done before training changes the weights
-        self.done = time.perf_counter()
+        return self.checking.submit(self.check_then_stage, state_dict)
+
+    def check_then_stage(self, state_dict):
+        # The parameters stay as they are until the next optimizer step, which waits for this.
+        started = time.perf_counter()
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            bad = sum((~torch.isfinite(t)).any() for t in tensors_of(state_dict["model"]))
+            if bad:
+                raise NonFinite("a parameter is not finite (NaN or infinite)")
+        if self.staged_once and not STAGER_REUSABLE:
+            self.stager.close()
+            self.stager = DefaultStager(self.stager._config)  # the lesson's options
+        self.staged_once = True
+        staged = self.stager.stage(state_dict)
+        staged = staged.result() if isinstance(staged, Future) else staged
+        self.seconds.append(time.perf_counter() - started)
         return staged
 
-
-def empty_on_cpu(state):
-    """The same nested state dict with every tensor uninitialized on the CPU; a DTensor keeps its
-    mesh and placements (nothing is copied)."""
-    if isinstance(state, dict):
-        return {key: empty_on_cpu(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [empty_on_cpu(value) for value in state]
-    return torch.empty_like(state, device="cpu") if torch.is_tensor(state) else state
-
-
-def in_one_block(state, pin):
-    """Moves every tensor of a CPU state dict into one block of host memory; pin: with a single
-    cudaHostRegister, so that copies from the GPU run at full speed (one cudaHostAlloc per tensor
-    is far slower: benchmarks/README.md)."""
-    with torch.no_grad():  # to_local() is then the DTensor's own local tensor, not a view of it
-        tensors = [t for t in tensors_of(state) if t.numel()]
-    offsets, size = [], 0
-    for t in tensors:  # 64-byte aligned, so that every offset is whole in elements of any dtype
-        offsets.append(size)
-        size += -(-t.numel() * t.element_size() // 64) * 64
-    block = torch.zeros(size, dtype=torch.uint8)  # zeros: every page is touched before pinning
-    if pin:
-        status = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), size, 0)
-        if status.value != 0:
-            raise RuntimeError(f"cannot pin {size:,} bytes of host memory for staging ({status})")
-    for t, offset in zip(tensors, offsets):
-        t.set_(block.untyped_storage(), offset // t.element_size(), t.shape, t.stride())
+    def close(self):
+        self.checking.shutdown()
+        self.stager.close()
 
 
 def tensors_of(state):
@@ -912,7 +989,7 @@ class StepLog:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token(model, model.pos_embeddings.num_embeddings)
         self.peak_tflops = peak_tflops(report.device, bf16)
-        self.unread, self.losses, self.grad_norms, self.seconds, self.stalls = [], [], [], [], []
+        self.unread, self.losses, self.grad_norms, self.seconds = [], [], [], []
         self.last_line = 0  # len(self.seconds) when the last line was printed
         if not steps:
             rank0_print(f"The checkpoint is at step {self.first - 1}, --steps is "
@@ -942,9 +1019,8 @@ class StepLog:
             self.losses.append(loss)
             self.grad_norms.append(grad_norm.item())
 
-    def paused(self, seconds):
-        """A checkpoint paused training for seconds: not training time."""
-        self.stalls.append(seconds)
+    def paused(self):
+        """A checkpoint paused training until now: not training time."""
         self.clock = time.perf_counter()
 
     def tokens_per_s(self, seconds):
@@ -983,17 +1059,22 @@ class StepLog:
                             if figures["tflops_per_gpu"] is not None else
                             f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
         self.report.training_done(model, optimizer, trained=bool(self.losses))
-        checkpoint, staging = None, None
+        checkpoint, pauses, staging, staging_s = None, [], None, None
         if checkpointer is not None:
-            checkpoint = checkpointer.last
-            staging = checkpointer.stager.allocated if checkpointer.stager else None
+            checkpoint, pauses = checkpointer.last, checkpointer.pauses
+        if checkpointer is not None and checkpointer.stager is not None:
+            staging, staging_s = checkpointer.staged_bytes, checkpointer.stager.seconds
+        if pauses:
+            rank0_print(f"Checkpoints paused training {pauses[0]:.2f} s at the first save" + (
+                f", a median {statistics.median(pauses[1:]):.2f} s at the {len(pauses) - 1} "
+                "later ones" if len(pauses) > 1 else ""))
         self.report.write(
             train_loss=self.losses[-1] if self.losses else None, losses=self.losses,
             grad_norms=self.grad_norms, first_step=self.first,
             step=max(self.first - 1, self.last_step), tokens_per_s=tokens_per_s,
             step_time_s=step_time, warmup_steps=max(warmup, 0), step_times_s=self.seconds,
-            checkpoint=checkpoint, checkpoint_stall_s=self.stalls,
-            checkpoint_staging_bytes=staging, **figures)
+            checkpoint=checkpoint, checkpoint_stall_s=pauses,
+            checkpoint_staging_bytes=staging, checkpoint_staging_s=staging_s, **figures)
 
 
 # Dense peak TFLOP/s of one GPU in (bf16, fp32), from NVIDIA's data sheets: the first name found
@@ -1500,6 +1581,7 @@ def run_worker(args, use_cuda):
             # when that bad-input row passes 20 runs without it. A bug's traceback goes to @record.
             sys.stdout.flush()
             sys.stderr.flush()
+            end_child_processes()
             os._exit(1)
 
 
@@ -1515,7 +1597,16 @@ def stop_on_signal(signum, args):
                 f"{resume_hint(args)}\n")
         os.write(sys.stderr.fileno(), line.encode())  # not print: safe wherever Python stopped
     sys.stdout.flush()
+    end_child_processes()
     os._exit(128 + signum)
+
+
+def end_child_processes():
+    """Before os._exit, which skips their shutdown: kill the processes this one started (DCP's
+    checkpoint writer, which would otherwise outlive it and print an EOFError traceback once it
+    finds its parent gone; DataLoader workers)."""
+    for child in multiprocessing.active_children():
+        child.kill()
 
 
 def share_the_cores(processes):
@@ -1531,6 +1622,9 @@ def spawn_worker(rank, args, use_cuda, world_size, port):
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     share_the_cores(world_size)
+    # A process group of its own, with the processes it starts (DCP's checkpoint writer), as
+    # torchrun gives each worker: launch stops them all at once (killpg).
+    os.setpgid(0, 0)
     # mp.spawn makes "spawn" this process's start method; a worker torchrun starts has Python's
     # default. With "spawn", DataLoader workers start a new Python each, and the semaphores that
     # libraries make (tqdm's lock, in datasets.load_dataset) are registered for cleanup at a normal
@@ -1612,6 +1706,8 @@ def launch(args):
     failed = next((w.exitcode for w in workers if w.exitcode), 0)
     for worker in workers:
         worker.kill()
+        with contextlib.suppress(ProcessLookupError):  # with what it started (a worker's group)
+            os.killpg(worker.pid, signal.SIGKILL)
         worker.join()
     sys.exit(failed if failed >= 0 else 128 - failed)  # killed by signal N: exit code -N
 

@@ -40,12 +40,18 @@ from conftest import full_state_of  # noqa: E402  (the tests' reader of either c
 
 FSDP2 = ["--vocab-size", "64", "--dim", "32", "--n-layers", "3", "--seq-len", "16",
          "--batch-size", "8", "--log-every", "1", "--save-every", "1", "--checkpoint-dir", "ckpt"]
+ASYNC = [*FSDP2, "--checkpoint-format", "sharded", "--async-checkpoint"]
 CASES = {  # name: (script, arguments, the printed line of a step's loss)
     "full": ("fsdp2_transformer.py", FSDP2, r"step (\d+) \| loss (\S+)"),
     "sharded": ("fsdp2_transformer.py", [*FSDP2, "--checkpoint-format", "sharded"],
                 r"step (\d+) \| loss (\S+)"),
-    "sharded-async": ("fsdp2_transformer.py", [*FSDP2, "--checkpoint-format", "sharded",
-                                                "--async-checkpoint"], r"step (\d+) \| loss (\S+)"),
+    "sharded-async": ("fsdp2_transformer.py", ASYNC, r"step (\d+) \| loss (\S+)"),
+    # The same run, each kill while a background write is under way (a .tmp folder exists): of a
+    # training process (its writer is left to itself), or of a checkpoint writer process alone.
+    "async-kill-training-while-writing": ("fsdp2_transformer.py", ASYNC,
+                                          r"step (\d+) \| loss (\S+)"),
+    "async-kill-writer-while-writing": ("fsdp2_transformer.py", ASYNC,
+                                        r"step (\d+) \| loss (\S+)"),
     "t5-sharded": ("t5_fsdp_finetune.py",
                    ["--input-length", "32", "--output-length", "16", "--num-train-samples", "32",
                     "--num-val-samples", "8", "--lr", "0.01", "--checkpoint-type", "sharded",
@@ -74,12 +80,45 @@ def workers(agent_pid):
     return found
 
 
-def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800):
+def writers(worker_pids):
+    """The pids of the checkpoint writer processes the workers started (DCP's, spawned)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError):
+            continue
+        if parent in worker_pids and spawned:
+            found.append(int(pid))
+    return found
+
+
+def left_running(cwd):
+    """The processes still running in cwd (a run's leftovers), after 5 s for those ending."""
+    deadline = time.monotonic() + 5
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                    left.append(int(pid))
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target=None):
     """Run the script under torchrun in cwd, killing a random worker `kills` times: once per
     attempt (torchrun's restart), after the attempt has printed a step's (epoch's) loss, matched by
     pattern, and a checkpoint is complete, and then a random pause of up to 1 s or (a third of the
-    time) as soon as a checkpoint is being written. Returns (exit status, output, kills, kills
-    while a checkpoint was half-written)."""
+    time) as soon as a checkpoint is being written. target "training" or "writer": always while
+    a checkpoint is being written, a worker or a checkpoint writer process. Returns (exit status,
+    output, kills, kills while a checkpoint was half-written, processes left running)."""
     rng = random.Random(seed)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(nproc), "--max-restarts", str(kills), str(REPO / script), *args]
@@ -93,27 +132,42 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800):
             if len(found) < nproc or frozenset(found.values()) in attempts:
                 time.sleep(0.05)
                 continue
+            saved = read(cwd).count("Saved") if target else 0  # target: one of this attempt's
             while agent.poll() is None and (len(re.findall(pattern, read(cwd))) == printed
-                                            or "Saved" not in read(cwd)):
+                                            or read(cwd).count("Saved") <= saved):
                 time.sleep(0.02)  # until this attempt has trained a step (an epoch), and a
                 # checkpoint is complete: a kill before the first one tests only a fresh start
-            if rng.random() < 1 / 3:  # wait for a checkpoint write to be under way
+            if target or rng.random() < 1 / 3:  # wait for a checkpoint write to be under way
+                time.sleep(rng.uniform(0, 1.0) if target else 0)  # (some saves later)
                 limit = time.monotonic() + 5
-                while not list(cwd.rglob("*.tmp")) and time.monotonic() < limit:
+                while not writing(cwd) and time.monotonic() < limit:
                     time.sleep(0.001)
             else:
                 time.sleep(rng.uniform(0, 1.0))
             if agent.poll() is not None:
                 break
-            during_save += bool(list(cwd.rglob("*.tmp")))
-            os.kill(rng.choice(list(found.values())), signal.SIGKILL)
+            victims = writers(set(found.values())) if target == "writer" else found.values()
+            during_save += writing(cwd)
+            os.kill(rng.choice(list(victims)), signal.SIGKILL)
             attempts.add(frozenset(found.values()))
             done += 1
         agent.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         if agent.poll() is None:
             agent.kill()
-    return agent.returncode, read(cwd), done, during_save
+    return agent.returncode, read(cwd), done, during_save, left_running(cwd)
+
+
+def writing(cwd):
+    """Whether a checkpoint is being written: a .tmp folder of a later step (epoch) than every
+    complete checkpoint (an older one is the leftover of a kill)."""
+    def number(path):
+        digits = re.findall(r"\d+", path.name)
+        return int(digits[-1]) if digits else -1
+
+    complete = [*cwd.rglob("COMPLETE"), *cwd.rglob("trainer_state.json")]
+    newest = max((number(marker.parent) for marker in complete), default=-1)
+    return any(number(path) > newest for path in cwd.rglob("*.tmp"))
 
 
 def read(cwd):
@@ -159,8 +213,10 @@ def chaos_case(name, kills, steps, seed, workdir, fixtures):
     folders["straight"], results["straight"] = straight_run(script, args, pattern, workdir)
     folders["killed"] = workdir / name / "killed"
     folders["killed"].mkdir(parents=True)
-    results["killed"] = run(script, args, pattern, folders["killed"], 2, kills=kills, seed=seed)
-    status, output, done, during_save = results["killed"]
+    target = re.search(r"async-kill-(training|writer)", name)
+    results["killed"] = run(script, args, pattern, folders["killed"], 2, kills=kills, seed=seed,
+                            target=target and target[1])
+    status, output, done, during_save, left = results["killed"]
     straight, killed = (losses(results[m][1], pattern) for m in ("straight", "killed"))
     same_losses = all(all(loss == straight[step][0] for loss in printed)
                       for step, printed in killed.items()) and set(killed) == set(straight)
@@ -169,9 +225,9 @@ def chaos_case(name, kills, steps, seed, workdir, fixtures):
                   and all(torch.equal(final["straight"][k], final["killed"][k])
                           for k in final["straight"]))
     return {"case": name, "kills": done, "during_save": during_save, "exit_status": status,
-            "recovered": status == 0 and same_losses and same_state,
+            "recovered": status == 0 and same_losses and same_state and not left,
             "same_losses": same_losses, "same_final_state": same_state,
-            "restarts": output.count("Resumed from")}
+            "restarts": output.count("Resumed from"), "processes_left": len(left)}
 
 
 def disk_full_case(name, fills, steps, seed, workdir):
@@ -184,7 +240,7 @@ def disk_full_case(name, fills, steps, seed, workdir):
     import torch
     rng, pattern = random.Random(seed), CASES["full"][2]
     args = [*FSDP2, *CASES[name.removeprefix("disk-full-")][1][len(FSDP2):], "--steps", str(steps)]
-    straight, (status, straight_output, _, _) = straight_run("fsdp2_transformer.py", args,
+    straight, (status, straight_output, *_) = straight_run("fsdp2_transformer.py", args,
                                                              pattern, workdir)
     cwd = workdir / name / "filled"
     (cwd / "ckpt").mkdir(parents=True)

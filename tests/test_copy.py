@@ -64,10 +64,13 @@ def run_copy(tmp_path, script, units, driver, *args, text=None):
 def job(body):
     """The driver's code: body run as a function on every rank, so that its models are freed
     before the process group is (as the scripts' plumbing does: FSDP's reference cycles keep the
-    group alive, and gloo's threads can abort an exit that frees it late)."""
+    group alive, and gloo's threads can abort an exit that frees it late). Under the main guard,
+    as a script that saves asynchronously needs: DCP's writer is a spawned process, which imports
+    the script first."""
     return ("import gc\nimport sys\n\n\ndef job():\n    rank = dist.get_rank()\n"
-            + textwrap.indent(body, "    ") + "\n\ndist.init_process_group('gloo')\n"
-            "torch.manual_seed(0)\njob()\ngc.collect()\ndist.destroy_process_group()\n")
+            + textwrap.indent(body, "    ") + "\n\nif __name__ == '__main__':\n"
+            "    dist.init_process_group('gloo')\n    torch.manual_seed(0)\n    job()\n"
+            "    gc.collect()\n    dist.destroy_process_group()\n")
 
 
 FSDP2_DRIVER = job("""

@@ -290,15 +290,18 @@ def test_divergence_stops_at_the_first_nan_and_keeps_the_last_finite_checkpoint(
     assert all(torch.isfinite(tensor).all() for tensor in model.values())
 
 
-def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--checkpoint-format", "sharded", "--async-checkpoint"]],
+                         ids=["full", "sharded async"])
+def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path, options):
     """The last step's loss is finite but its update leaves a weight NaN (put there by a line added
     to a copy of the script, as an overflowing update would): the run fails rather than save that
-    model, and the newest checkpoint stays the step before."""
+    model, and the newest checkpoint stays the step before. (An asynchronous save checks in the
+    background, before its copy: its .tmp folder is removed.)"""
     script = script_with_lines(
         SCRIPT, tmp_path, " " * 37 + "max_norm=args.max_norm)\n",
         "        if step == args.steps:\n"
         "            next(model.parameters()).to_local().detach().fill_(math.nan)\n")
-    args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1]
+    args = [*TINY, "--steps", 3, "--checkpoint-dir", "ckpt", "--save-every", 1, *options]
     result = run_command(torchrun_command(script, args, 2), tmp_path, timeout=120)
     assert "training diverged: a parameter is not finite" in single_error_line(result)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000001", "step_000002"]
