@@ -216,10 +216,10 @@ class Checkpointer:
     complete by a COMPLETE file written last (with the step, the format and the model's config),
     then renamed: a save cut short leaves a .tmp folder, which resume ignores. full: rank 0
     gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
-    model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes only
-    its shards with dcp.save. async_save: save() returns at once; the shards are copied to host
-    memory while the next step runs (its optimizer.step() waits for the copy), then written by a
-    process of DCP's (one per rank), and the checkpoint is marked complete once they are."""
+    model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes its
+    shards with dcp.save. async_save: save() returns at once, the next optimizer.step() waits for
+    the copy to host memory, and a writer process per rank (which imports your script: keep its
+    `if __name__ == "__main__":`) writes the shards; marked complete once they are written."""
 
     def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
         self.folder, self.config = folder, config
@@ -511,6 +511,7 @@ import fcntl
 import gc
 import logging
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import re
 import resource
 import signal
@@ -831,6 +832,9 @@ def ctrl_c_for_training_only():
     process they start, have SIGINT blocked: a Ctrl-C reaches the training process, which says
     where a rerun resumes and ends its writer (end_child_processes), never a writer, which would
     print a KeyboardInterrupt traceback of each rank's."""
+    # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
+    # 3.11's ensure_running), which the writer's start would otherwise do: started here, first.
+    multiprocessing.resource_tracker.ensure_running()
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield

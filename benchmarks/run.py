@@ -9,6 +9,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only t5 --wikihow-dir data --t5-model t5-base-local
     python benchmarks/run.py --smoke --repeats 1 --only fsdp2 --fsdp2-steps 10  # not for quoting
     python benchmarks/run.py --only fsdp2-gpu      # C1B (1B parameters) on one GPU
+    python benchmarks/run.py --only checkpoint --thread-writer-script old/fsdp2_transformer.py
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -20,6 +21,11 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
 - T5 (world size 2, CPU, fp32): FSDP1's FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with BACKWARD_PRE,
   FULL_SHARD with BACKWARD_POST and with no backward prefetch; FSDP2's FULL_SHARD and
   SHARD_GRAD_OP (--fsdp-version 2).
+- Checkpoint pauses (world size 2, CPU, only when asked for): issue 34's 55M-parameter model, 30
+  steps, without checkpoints, with synchronous sharded saves every 3 steps and with the background
+  writer process (--async-checkpoint); --thread-writer-script adds a row for another copy of the
+  script (the thread writer of main before issue 34). Its runs take turns (one of each
+  configuration, then again), so that the machine's drift touches every row alike.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -46,7 +52,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("mnist", "fsdp2", "t5", "fsdp2-gpu")
+BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -64,6 +70,15 @@ C1B_RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "
             "checkpoint sharded --async-checkpoint": ["--batch-size", "8", "--save-every", "100",
                                                       "--checkpoint-format", "sharded",
                                                       "--async-checkpoint"]}
+# checkpoint: issue 34's model (about 660 MB of sharded checkpoint state on 2 ranks), a save every
+# 3 steps; the rows differ only in how they save.
+CHECKPOINT_MODEL = ["--dim", "768", "--n-layers", "6", "--n-heads", "12", "--vocab-size", "8000",
+                    "--seq-len", "32", "--batch-size", "4", "--steps", "30", "--log-every", "10"]
+CHECKPOINT_SAVES = ["--checkpoint-dir", "ckpt", "--save-every", "3", "--checkpoint-format",
+                    "sharded"]
+CHECKPOINT_RUNS = {"no checkpoints": [], "synchronous sharded": CHECKPOINT_SAVES,
+                   "process writer (--async-checkpoint)": [*CHECKPOINT_SAVES,
+                                                           "--async-checkpoint"]}
 UPSTREAM_C1B_TOKENS_PER_S = 67_300  # pytorch/examples distributed/FSDP2 on an H100 (issue 19)
 FSDP2_OPTIONS = {"plain": [], "explicit-prefetching": ["--explicit-prefetching"],
                  "mixed-precision": ["--mixed-precision"],
@@ -166,6 +181,15 @@ def figures_of(config, metrics, stdout):
     elif config["benchmark"] == "fsdp2":
         figures["tokens_per_s"] = metrics["tokens_per_s"]
         figures["step_ms"] = 1000 * FSDP2_BATCH * FSDP2_SEQ_LEN / metrics["tokens_per_s"]
+    elif config["benchmark"] == "checkpoint":
+        # Over the whole run, the first step and every pause included (a wait for a copy inside
+        # a step counts twice: in the step and in its save's pause).
+        stalls, steps = metrics["checkpoint_stall_s"], metrics["step_times_s"][1:]
+        figures.update(
+            tokens_per_s=metrics["tokens_per_s"], first_pause_s=stalls[0] if stalls else None,
+            later_pause_s=statistics.median(stalls[1:]) if len(stalls) > 1 else None,
+            all_in_tokens_per_s=metrics["tokens_per_s"] * metrics["step_time_s"] * len(steps)
+            / (sum(steps) + sum(stalls)))
     elif config["benchmark"] == "fsdp2-gpu":
         stalls = metrics["checkpoint_stall_s"] or [None]
         figures.update(tokens_per_s=metrics["tokens_per_s"], mfu=metrics["mfu"],
@@ -183,7 +207,8 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
-                    "(fsdp2-gpu: a 1B-parameter model on one GPU, only when asked for)")
+                    "(checkpoint and fsdp2-gpu, a 1B-parameter model on one GPU, only when "
+                    "asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -214,6 +239,9 @@ parser.add_argument("--fsdp2-world-sizes", nargs="+", type=int, default=None, me
 parser.add_argument("--fsdp2-options", nargs="+", choices=list(FSDP2_OPTIONS),
                     default=list(FSDP2_OPTIONS), metavar="OPTION",
                     help=f"FSDP2 configurations, any of {', '.join(FSDP2_OPTIONS)}")
+parser.add_argument("--thread-writer-script", default=None, metavar="FILE",
+                    help="checkpoint: also run this copy of fsdp2_transformer.py with "
+                         "--async-checkpoint (e.g. main before issue 34, whose writer is a thread)")
 parser.add_argument("--no-gpu", action="store_true",
                     help="skip the GPU runs even when a CUDA GPU is visible")
 parser.add_argument("--timeout", type=int, default=900, metavar="S",
@@ -324,6 +352,17 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                                      "--mixed-precision", precision,
                                      "--no-save-model", *(["--cpu"] if on_cpu else [])]})
 
+if "checkpoint" in args.only:
+    checkpoint_runs = {name: ("fsdp2_transformer.py", flags)
+                       for name, flags in CHECKPOINT_RUNS.items()}
+    if args.thread_writer_script:
+        checkpoint_runs["thread writer (--async-checkpoint, --thread-writer-script)"] = (
+            os.path.abspath(args.thread_writer_script), [*CHECKPOINT_SAVES, "--async-checkpoint"])
+    for name, (script, flags) in checkpoint_runs.items():
+        configs.append({"benchmark": "checkpoint", "device": "cpu", "world_size": 2,
+                        "name": name, "script": script,
+                        "args": [*CHECKPOINT_MODEL, *flags, "--cpu"]})
+
 if "fsdp2-gpu" in args.only:  # world size 1 on the first GPU; the checkpoints in the run's folder
     for name, flags in C1B_RUNS.items():
         saves = name.startswith("checkpoint")
@@ -337,8 +376,14 @@ if "fsdp2-gpu" in args.only:  # world size 1 on the first GPU; the checkpoints i
 runs, failures = [], []
 total = len(configs) * args.repeats
 for config in configs:
-    config["figures"] = []  # one dict per successful run
-    for repeat in range(1, args.repeats + 1):
+    config["figures"], config["failed"] = [], False  # one dict per successful run
+# The checkpoint rows take turns (each configuration once, then again); the others run in a row.
+schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
+            if config["benchmark"] == "checkpoint"]
+schedule += [(config, repeat) for config in configs if config["benchmark"] != "checkpoint"
+             for repeat in range(1, args.repeats + 1)]
+for config, repeat in schedule:
+    if not config["failed"]:
         # Whatever a script writes lands in its own folder.
         workdir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
         metrics_path = workdir / "metrics.json"
@@ -385,13 +430,13 @@ for config in configs:
                 f"command: {shlex.join(command)}\n"
                 f"--- end of its stderr ---\n{run['stderr_tail']}\n"
                 "--- the remaining runs of this configuration are skipped ---\n")
-            break
+            config["failed"] = True
+            continue
         config["figures"].append(run["figures"])
         shutil.rmtree(workdir)  # C1B's checkpoints (24 GB a run) would fill the disk by the next
         log(f"    {run['seconds']:.1f} s: "
             + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in run["figures"].items()))
-    config["failed"] = len(config["figures"]) < args.repeats
 
 # ------------------------------------------------------------------------------------------- tables
 
@@ -512,6 +557,29 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                 f"{runs_said}. Epoch time includes validation; train samples/s is the script's "
                 "samples_per_s (training time of every epoch, validation excluded).\n",
                 markdown_table(headers, rows)]
+
+if "checkpoint" in args.only:
+    none, synchronous = (find("checkpoint", "cpu", name=name) for name in list(CHECKPOINT_RUNS)[:2])
+    headers = ["configuration", "tokens/s (steady)", "vs no checkpoints",
+               "tokens/s (all steps and pauses)", "vs no checkpoints", "first save's pause (s)",
+               "vs synchronous", "later saves' pause, median (s)", "vs synchronous"]
+    rows = []
+    for c in (c for c in configs if c["benchmark"] == "checkpoint"):
+        rows.append([c["name"] + (" (FAILED)" if c["failed"] else ""),
+                     fmt(median(c, "tokens_per_s"), ",.1f"),
+                     fmt(ratio(median(c, "tokens_per_s"), median(none, "tokens_per_s")), ".2f"),
+                     fmt(median(c, "all_in_tokens_per_s"), ",.1f"),
+                     fmt(ratio(median(c, "all_in_tokens_per_s"),
+                               median(none, "all_in_tokens_per_s")), ".2f")]
+                    + [value for key in ("first_pause_s", "later_pause_s") for value in (
+                        fmt(median(c, key), ".3f"),
+                        fmt(ratio(median(c, key), median(synchronous, key)), ".3f"))])
+    out += ["\n### Checkpoint pauses: synchronous, thread and process writers (CPU, gloo)\n",
+            f"`{' '.join(CHECKPOINT_MODEL)}` on 2 ranks, saves `{' '.join(CHECKPOINT_SAVES)}`; "
+            f"{runs_said}, the configurations taking turns. tokens/s (steady) is the script's "
+            "(the median step, pauses left out); tokens/s (all) counts every step after the first "
+            "and every pause. A pause is how long a save stopped training, the wait of the next "
+            "step for its copy included.\n", markdown_table(headers, rows)]
 
 if "fsdp2-gpu" in args.only:
     headers = ["configuration", "tokens/s", "vs upstream example", "TFLOP/s", "MFU",

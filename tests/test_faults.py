@@ -3,6 +3,7 @@ torchrun's elastic restart, a hung peer under a short --dist-timeout), and a bug
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,58 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     expected = full_state_of(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def checkpoint_writers(worker_pids):
+    """The pids of DCP's checkpoint writer processes (spawned children of the workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if int(proc_stat(pid)[1]) in worker_pids and b"spawn_main" in f.read():
+                    found.append(int(pid))
+    return found
+
+
+def left_in(cwd):
+    """The pids of the processes whose working directory is cwd."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                left.append(int(pid))
+    return left
+
+
+def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
+    """One rank's checkpoint writer process is SIGKILLed as soon as it appears, while it forms
+    its process group with the other rank's writer, which then waits for it for ever. The run does
+    not hang until --dist-timeout: within seconds every rank stops, with one error line naming the
+    dead writer and where a rerun starts, and no process of the run is left."""
+    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 1000,
+                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--checkpoint-format", "sharded",
+                   "--async-checkpoint")
+    try:
+        workers = set(running_workers(agent).values())
+        deadline = time.monotonic() + 60
+        while not (writers := checkpoint_writers(workers)):
+            assert agent.poll() is None and time.monotonic() < deadline, "no writer started"
+            time.sleep(0.002)
+        os.kill(writers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        stdout, stderr = finish(agent, tmp_path, timeout=120)
+    finally:
+        stop(agent)
+    assert agent.returncode != 0 and time.monotonic() - killed < 40, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"error: cannot write checkpoint \S+step_000001 \(RuntimeError: (Checkpoint background "
+        r"process is dead|.*Connection closed by peer.*)\); no checkpoint was written yet: a "
+        r"rerun starts from step 0", errors[0]), stderr
+    deadline = time.monotonic() + 5  # for those on their way out
+    while left_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left_in(tmp_path) == []
 
 
 def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference,
