@@ -1,7 +1,8 @@
-"""benchmarks/chaos.py, run for real on one short FSDP2 case with sharded asynchronous checkpoints
-(the format with the most moving parts), 30 steps: two random SIGKILLs, and (as root, on a small
-tmpfs) a disk filled by another process during a save. Both cases run in one chaos.py command,
-which makes their uninterrupted run once. The full figures (20 kills per format, 5 fills) are in
+"""benchmarks/chaos.py, run for real on short FSDP2 cases with sharded asynchronous checkpoints
+(the format with the most moving parts), 30 steps: two random SIGKILLs; two kills during a
+background write, of a training process and of a writer process; and (as root, on a small tmpfs)
+a disk filled by another process during a save. The cases run in one chaos.py command, which
+makes their uninterrupted run once. The full figures (20 kills per format, 5 fills) are in
 the README; this keeps the harness and recovery honest. The killer waits for a complete
 checkpoint, so each restart resumes one; with killer seed 0 the first kill comes 0.76 s after a
 step, the second as soon as a checkpoint is being written."""
@@ -20,11 +21,12 @@ ROOT = os.geteuid() == 0  # mounting a small tmpfs needs root
 def chaos(tmp_path_factory):
     """(chaos.py's output, {case: its row})."""
     cwd = tmp_path_factory.mktemp("chaos")
-    cases = ["sharded-async", *(["disk-full-sharded-async"] if ROOT else [])]
+    cases = ["sharded-async", "async-kill-training-while-writing",
+             "async-kill-writer-while-writing", *(["disk-full-sharded-async"] if ROOT else [])]
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
                            "--kills", "2", "--fills", "1", "--steps", "30", "--seed", "0",
                            "--json", cwd / "rows.json"],
-                          cwd=cwd, capture_output=True, text=True, timeout=400)
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout, {row["case"]: row for row in json.loads((cwd / "rows.json").read_text())}
 
@@ -35,6 +37,18 @@ def test_random_kills_recover_to_the_uninterrupted_runs_final_state(chaos):
     assert row["kills"] == 2 and row["restarts"] >= 1, row  # killed, and resumed a checkpoint
     assert row["same_final_state"] and row["same_losses"], row  # bit-identical, every step
     assert "| sharded-async | 2 |" in output and "| yes | yes |" in output, output
+
+
+@pytest.mark.parametrize("case", ["async-kill-training-while-writing",
+                                  "async-kill-writer-while-writing"])
+def test_a_kill_during_a_background_write_loses_nothing(chaos, case):
+    """Each kill comes while an asynchronous checkpoint is being written, of a training process
+    (its writer process is left to itself) or of a writer process alone: every restart resumes
+    the last complete checkpoint, the run ends with the uninterrupted run's state bit for bit,
+    and no process of the run (no writer) is left once it has ended."""
+    row = chaos[1][case]
+    assert row["kills"] == row["during_save"] == 2 and row["restarts"] == 2, row
+    assert row["same_final_state"] and row["same_losses"] and row["processes_left"] == 0, row
 
 
 @pytest.mark.skipif(not ROOT, reason="mounting a small tmpfs needs root")
