@@ -1279,8 +1279,8 @@ def write_problem(error, path, elsewhere):
     text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
     if not isinstance(cause, (OSError, RuntimeError)) or isinstance(
             cause, (dist.DistError, torch.OutOfMemoryError)) or re.search(
-            r"gloo|nccl|NCCL|allocate memory", text):  # not the write's: a peer's, or memory
-        return None
+            r"gloo|nccl|NCCL|allocate memory|process is dead", text):  # not the write's: a
+        return None  # peer's, memory, or a writer process (DCP's) that died
     folder = os.path.dirname(os.path.abspath(path))
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
     if getattr(cause, "errno", None) == errno.ENOSPC or free < 2**20:  # torch.save names no errno
