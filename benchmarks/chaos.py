@@ -147,6 +147,8 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target
             if agent.poll() is not None:
                 break
             victims = writers(set(found.values())) if target == "writer" else found.values()
+            if not victims:
+                continue  # (no writer process at this moment: look again)
             during_save += writing(cwd)
             os.kill(rng.choice(list(victims)), signal.SIGKILL)
             attempts.add(frozenset(found.values()))
