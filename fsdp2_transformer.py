@@ -553,6 +553,26 @@ logging.getLogger().addFilter(
     lambda record: not record.pathname.endswith("checkpoint/_async_process_executor.py"))
 
 
+def exit_with_parent():
+    """Workaround: a checkpoint writer (DCP's spawned process, torch 2.11 to 2.15) whose training
+    process was killed while the writer waited for a peer (forming its process group: up to 30
+    minutes) outlives its job. A spawned process imports this file first, as __mp_main__: there a
+    thread ends it once its parent is gone. (PR_SET_PDEATHSIG cannot: DCP starts the writer from a
+    thread that ends after the first save.) Remove when DCP's writer watches its parent."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+if __name__ == "__mp_main__":
+    exit_with_parent()
+
+
 def check_flags(args, device, world_size):
     """Stop with one line when the flags cannot work together here: every check in one place,
     called by the plumbing before the process group starts."""

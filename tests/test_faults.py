@@ -190,6 +190,31 @@ def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_pa
     assert left_in(tmp_path) == []
 
 
+def test_a_training_process_killed_as_its_writer_starts_leaves_no_writer(tmp_path):
+    """Rank 0 is SIGKILLed as soon as its checkpoint writer process appears: torchrun stops the
+    other rank (and its writer, in that rank's process group), but the killed rank's writer, left
+    waiting to form its group with the other writer, must not outlive the job (30 minutes, its
+    rendezvous timeout): within seconds no process of the run is left."""
+    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 1000,
+                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--checkpoint-format", "sharded",
+                   "--async-checkpoint")
+    try:
+        rank0 = running_workers(agent)[0]
+        deadline = time.monotonic() + 60
+        while not checkpoint_writers({rank0}):
+            assert agent.poll() is None and time.monotonic() < deadline, "no writer started"
+            time.sleep(0.002)
+        os.kill(rank0, signal.SIGKILL)
+        finish(agent, tmp_path, timeout=120)
+    finally:
+        stop(agent)
+    assert agent.returncode != 0
+    deadline = time.monotonic() + 10  # the writer looks for its parent every second
+    while left_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left_in(tmp_path) == []
+
+
 def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference,
                                                                      tiny_t5_dir, wikihow_dir):
     """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed once epoch 1's sharded
