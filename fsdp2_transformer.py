@@ -559,10 +559,10 @@ def exit_with_parent():
     minutes) outlives its job. A spawned process imports this file first, as __mp_main__: there a
     thread ends it once its parent is gone. (PR_SET_PDEATHSIG cannot: DCP starts the writer from a
     thread that ends after the first save.) Remove when DCP's writer watches its parent."""
-    parent = os.getppid()
-
     def watch():
-        while os.getppid() == parent:
+        while multiprocessing.parent_process() is None:  # known once the process has started
+            time.sleep(0.1)
+        while multiprocessing.parent_process().is_alive():  # (a pipe: dead if closed, at once)
             time.sleep(1)
         os._exit(1)
 
