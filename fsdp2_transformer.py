@@ -708,8 +708,8 @@ def add_fresh_start_flags(add):
 class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
     background write (saying so when that took long), refuses non-finite parameters and a save the
-    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed), and
-    returns the seconds training paused; its files reach the disk before the marker does. A
+    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed);
+    its files reach the disk before the marker does. A
     resume reads only a checkpoint whose marker and tensors fit this model, and a read that fails
     stops every rank in one line. pauses: the seconds each save blocked training (an
     asynchronous one: in save, and in the next step's wait for its copy to host memory)."""
@@ -719,6 +719,10 @@ class CheckedCheckpointer(Checkpointer):
         self.given = folder
         if self.stager is not None:  # asynchronous: the divergence check runs with the copy
             self.stager = FiniteStager(self.stager)
+            # multiprocessing unblocks SIGINT in the thread that starts its resource tracker
+            # (Python 3.11's ensure_running), which the writer's start would otherwise do, inside
+            # ctrl_c_for_training_only: started here, first.
+            multiprocessing.resource_tracker.ensure_running()
         self.started, self.last, self.path, self.pauses = None, None, None, []
         self.staged_bytes, self.shared_before = [], shared_memory_bytes()
 
@@ -741,7 +745,6 @@ class CheckedCheckpointer(Checkpointer):
             with ctrl_c_for_training_only():
                 super().save(model, optimizer, step)
         self.pauses[-1] += time.perf_counter() - self.started
-        return self.pauses[-1]
 
     def wait_for_staging(self, *hook_args):
         """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
@@ -758,7 +761,8 @@ class CheckedCheckpointer(Checkpointer):
             if error and dist.get_rank() == 0:
                 shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
             agree_on_error(error and f"{error}; {last_checkpoint(self.folder)}")
-            self.pauses[-1] += (time.perf_counter() - started) * bool(hook_args)
+            if hook_args:
+                self.pauses[-1] += time.perf_counter() - started
             held = shared_memory_bytes()  # the staged copy, in shared memory
             self.staged_bytes.append(held - self.shared_before)
             self.shared_before = held
@@ -851,10 +855,8 @@ def ctrl_c_for_training_only():
     """The threads started inside (DCP's, for an asynchronous save), and the checkpoint writer
     process they start, have SIGINT blocked: a Ctrl-C reaches the training process, which says
     where a rerun resumes and ends its writer (end_child_processes), never a writer, which would
-    print a KeyboardInterrupt traceback of each rank's."""
-    # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
-    # 3.11's ensure_running), which the writer's start would otherwise do: started here, first.
-    multiprocessing.resource_tracker.ensure_running()
+    print a KeyboardInterrupt traceback of each rank's. (The resource tracker must be running
+    already: CheckedCheckpointer starts it.)"""
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
@@ -962,7 +964,7 @@ class FiniteStager(AsyncStager):
 
     def __init__(self, stager):
         self.stager, self.checking = stager, ThreadPoolExecutor(max_workers=1)
-        self.staged_once, self.seconds = False, []  # seconds: each save's check and copy
+        self.seconds = []  # each save's check and copy
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def stage(self, state_dict):
@@ -975,10 +977,9 @@ class FiniteStager(AsyncStager):
             bad = sum((~torch.isfinite(t)).any() for t in tensors_of(state_dict["model"]))
             if bad:
                 raise NonFinite("a parameter is not finite (NaN or infinite)")
-        if self.staged_once and not STAGER_REUSABLE:
+        if self.seconds and not STAGER_REUSABLE:  # a save before this one
             self.stager.close()
             self.stager = DefaultStager(self.stager._config)  # the lesson's options
-        self.staged_once = True
         staged = self.stager.stage(state_dict)
         staged = staged.result() if isinstance(staged, Future) else staged
         self.seconds.append(time.perf_counter() - started)

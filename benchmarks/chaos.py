@@ -36,7 +36,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import full_state_of  # noqa: E402  (the tests' reader of either checkpoint format)
+from conftest import (  # noqa: E402  (the tests' helpers: a reader of either checkpoint format)
+    checkpoint_writers,
+    full_state_of,
+    processes_left,
+)
 
 FSDP2 = ["--vocab-size", "64", "--dim", "32", "--n-layers", "3", "--seq-len", "16",
          "--batch-size", "8", "--log-every", "1", "--save-every", "1", "--checkpoint-dir", "ckpt"]
@@ -80,38 +84,6 @@ def workers(agent_pid):
     return found
 
 
-def writers(worker_pids):
-    """The pids of the checkpoint writer processes the workers started (DCP's, spawned)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
-        except (OSError, ValueError):
-            continue
-        if parent in worker_pids and spawned:
-            found.append(int(pid))
-    return found
-
-
-def left_running(cwd):
-    """The processes still running in cwd (a run's leftovers), after 5 s for those ending."""
-    deadline = time.monotonic() + 5
-    while True:
-        left = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
-                    left.append(int(pid))
-            except OSError:
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
 def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target=None):
     """Run the script under torchrun in cwd, killing a random worker `kills` times: once per
     attempt (torchrun's restart), after the attempt has printed a step's (epoch's) loss, matched by
@@ -146,7 +118,9 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target
                 time.sleep(rng.uniform(0, 1.0))
             if agent.poll() is not None:
                 break
-            victims = writers(set(found.values())) if target == "writer" else found.values()
+            victims = list(found.values())
+            if target == "writer":
+                victims = checkpoint_writers(set(victims))
             if not victims:
                 continue  # (no writer process at this moment: look again)
             during_save += writing(cwd)
@@ -157,7 +131,7 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target
     finally:
         if agent.poll() is None:
             agent.kill()
-    return agent.returncode, read(cwd), done, during_save, left_running(cwd)
+    return agent.returncode, read(cwd), done, during_save, processes_left(cwd)
 
 
 def writing(cwd):

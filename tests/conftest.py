@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -226,6 +227,40 @@ def script_with_lines(script, folder, after, lines):
     assert after in code, f"{script} no longer has the line {after!r}"
     (folder / script).write_text(code.replace(after, after + lines, 1))
     return folder / script
+
+
+def processes_left(cwd, grace=5):
+    """The command lines of the processes still running with cwd as their working directory
+    (workers left behind), after up to `grace` seconds for those already on their way out (the
+    resource tracker of multiprocessing ends a moment after the launcher it served)."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
+                    left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
+            except OSError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def checkpoint_writers(worker_pids):
+    """The pids of DCP's checkpoint writer processes: spawned children of the workers."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                spawned = b"spawn_main" in f.read()
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        if parent in worker_pids and spawned:
+            found.append(int(pid))
+    return found
 
 
 def free_ports(count):

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import (
@@ -20,6 +19,7 @@ from conftest import (
     MNIST_TINY,
     REPO,
     full_state_of,
+    processes_left,
     run_command,
     script_with_lines,
     single_error_line,
@@ -57,24 +57,6 @@ def small_disk(tmp_path):
 
 def complete_checkpoints(folder):
     return sorted(p.name for p in folder.iterdir() if (p / "COMPLETE").exists())
-
-
-def processes_left(cwd, grace=5):
-    """The command lines of the processes still running with cwd as their working directory
-    (workers left behind), after up to `grace` seconds for those already on their way out (the
-    resource tracker of multiprocessing ends a moment after the launcher it served)."""
-    deadline = time.monotonic() + grace
-    while True:
-        left = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
-                    left.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" "))
-            except OSError:
-                continue
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("options", list(FORMATS.values())[:2], ids=list(FORMATS)[:2])

@@ -16,7 +16,9 @@ from conftest import (
     T5_REFERENCE,
     TORCHRUN,
     TORCHRUN_REPORT,
+    checkpoint_writers,
     full_state_of,
+    processes_left,
     run_command,
     script_with_lines,
     t5_args,
@@ -138,25 +140,19 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     assert all(torch.equal(final[k], expected[k]) for k in expected)
 
 
-def checkpoint_writers(worker_pids):
-    """The pids of DCP's checkpoint writer processes (spawned children of the workers)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, IndexError):
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if int(proc_stat(pid)[1]) in worker_pids and b"spawn_main" in f.read():
-                    found.append(int(pid))
-    return found
-
-
-def left_in(cwd):
-    """The pids of the processes whose working directory is cwd."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/cwd") == str(cwd):
-                left.append(int(pid))
-    return left
+def start_until_a_writer(cwd, of_rank=None):
+    """Start 2 ranks saving asynchronously at every step; return (agent, {rank: pid} of the
+    workers, the pids of the checkpoint writers) as soon as a writer (of_rank's) appears."""
+    agent = launch(cwd, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 1000, "--checkpoint-dir",
+                   "ckpt", "--save-every", 1, "--checkpoint-format", "sharded",
+                   "--async-checkpoint")
+    workers = running_workers(agent)
+    deadline = time.monotonic() + 60
+    parents = set(workers.values()) if of_rank is None else {workers[of_rank]}
+    while not (writers := checkpoint_writers(parents)):
+        assert agent.poll() is None and time.monotonic() < deadline, "no writer started"
+        time.sleep(0.002)
+    return agent, workers, writers
 
 
 def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_path):
@@ -164,15 +160,8 @@ def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_pa
     its process group with the other rank's writer, which then waits for it for ever. The run does
     not hang until --dist-timeout: within seconds every rank stops, with one error line naming the
     dead writer and where a rerun starts, and no process of the run is left."""
-    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 1000,
-                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--checkpoint-format", "sharded",
-                   "--async-checkpoint")
+    agent, _, writers = start_until_a_writer(tmp_path)
     try:
-        workers = set(running_workers(agent).values())
-        deadline = time.monotonic() + 60
-        while not (writers := checkpoint_writers(workers)):
-            assert agent.poll() is None and time.monotonic() < deadline, "no writer started"
-            time.sleep(0.002)
         os.kill(writers[0], signal.SIGKILL)
         killed = time.monotonic()
         stdout, stderr = finish(agent, tmp_path, timeout=120)
@@ -184,10 +173,7 @@ def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_pa
         r"error: cannot write checkpoint \S+step_000001 \(RuntimeError: (Checkpoint background "
         r"process is dead|.*Connection closed by peer.*)\); no checkpoint was written yet: a "
         r"rerun starts from step 0", errors[0]), stderr
-    deadline = time.monotonic() + 5  # for those on their way out
-    while left_in(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left_in(tmp_path) == []
+    assert processes_left(tmp_path) == []
 
 
 def test_a_training_process_killed_as_its_writer_starts_leaves_no_writer(tmp_path):
@@ -195,24 +181,14 @@ def test_a_training_process_killed_as_its_writer_starts_leaves_no_writer(tmp_pat
     other rank (and its writer, in that rank's process group), but the killed rank's writer, left
     waiting to form its group with the other writer, must not outlive the job (30 minutes, its
     rendezvous timeout): within seconds no process of the run is left."""
-    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 1000,
-                   "--checkpoint-dir", "ckpt", "--save-every", 1, "--checkpoint-format", "sharded",
-                   "--async-checkpoint")
+    agent, workers, _ = start_until_a_writer(tmp_path, of_rank=0)
     try:
-        rank0 = running_workers(agent)[0]
-        deadline = time.monotonic() + 60
-        while not checkpoint_writers({rank0}):
-            assert agent.poll() is None and time.monotonic() < deadline, "no writer started"
-            time.sleep(0.002)
-        os.kill(rank0, signal.SIGKILL)
+        os.kill(workers[0], signal.SIGKILL)
         finish(agent, tmp_path, timeout=120)
     finally:
         stop(agent)
     assert agent.returncode != 0
-    deadline = time.monotonic() + 10  # the writer looks for its parent every second
-    while left_in(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left_in(tmp_path) == []
+    assert processes_left(tmp_path, grace=10) == []  # the writer looks for its parent each second
 
 
 def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path, t5_reference,
