@@ -218,8 +218,8 @@ class Checkpointer:
     gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
     model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes its
     shards with dcp.save. async_save: save() returns at once, the next optimizer.step() waits for
-    the copy to host memory, and a writer process per rank (which imports your script: keep its
-    `if __name__ == "__main__":`) writes the shards; marked complete once they are written."""
+    the copy to host memory, and a writer process per rank (started here; it imports your script:
+    keep its `if __name__ == "__main__":`) writes the shards; marked complete once written."""
 
     def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
         self.folder, self.config = folder, config
@@ -234,6 +234,22 @@ class Checkpointer:
             self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
                 use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
                 use_non_blocking_copy=cuda))
+            self.start_writers()
+
+    def start_writers(self):
+        """DCP starts each rank's writer process (a new Python, which imports torch and this
+        script) at its first save, and training would wait while it starts: a save of one number
+        to a throwaway folder starts them now, before training."""
+        path = os.path.join(self.folder, "writers.tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
+        dist.barrier()
+        self.pending = dcp.async_save({"start": torch.zeros(1)}, checkpoint_id=path,
+                                      process_group=self.group,
+                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
+        if dist.get_rank() == 0:
+            shutil.rmtree(path)
 
     def save(self, model, optimizer, step):
         self.wait()  # one save at a time
@@ -715,16 +731,24 @@ class CheckedCheckpointer(Checkpointer):
     asynchronous one: in save, and in the next step's wait for its copy to host memory)."""
 
     def __init__(self, folder, config, **options):
+        self.given, self.started, self.last, self.path, self.pauses = folder, None, None, None, []
+        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
+        self.doing = None  # what a failed background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
-        self.given = folder
         if self.stager is not None:  # asynchronous: the divergence check runs with the copy
             self.stager = FiniteStager(self.stager)
-            # multiprocessing unblocks SIGINT in the thread that starts its resource tracker
-            # (Python 3.11's ensure_running), which the writer's start would otherwise do, inside
-            # ctrl_c_for_training_only: started here, first.
-            multiprocessing.resource_tracker.ensure_running()
-        self.started, self.last, self.path, self.pauses = None, None, None, []
-        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
+
+    def start_writers(self):
+        """The lesson's, with SIGINT blocked for the writers, the ranks in step while they start
+        (wait), and a writer that fails to start stopping every rank in one line."""
+        # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
+        # 3.11's ensure_running), which the writer's start would otherwise do, inside
+        # ctrl_c_for_training_only: started here, first.
+        multiprocessing.resource_tracker.ensure_running()
+        self.path = os.path.join(self.folder, "writers")  # its .tmp is removed if it fails
+        self.doing = "start the checkpoint writer processes"
+        with ctrl_c_for_training_only():
+            super().start_writers()
 
     def save(self, model, optimizer, step):
         started = time.perf_counter()
@@ -738,6 +762,7 @@ class CheckedCheckpointer(Checkpointer):
         if self.stager is None:  # never save a diverged model (asynchronous: FiniteStager)
             stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
         self.path = os.path.join(self.folder, f"step_{step:06d}")
+        self.doing = f"write checkpoint {self.path}"
         with saving(self.path, checkpoint_bytes(model, optimizer, full=self.format == "full"),
                     f"{ELSEWHERE}; {last_checkpoint(self.folder)}",
                     sharded=self.format == "sharded"):
@@ -801,7 +826,7 @@ class CheckedCheckpointer(Checkpointer):
                     super().wait()
                 except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
                     error = (write_problem(e, self.path, ELSEWHERE)
-                             or f"cannot write checkpoint {self.path} ({one_line(root_cause(e))})")
+                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, (finished, error))
             if all(finished for finished, _ in states) or any(error for _, error in states):

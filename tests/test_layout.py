@@ -22,12 +22,13 @@ LESSONS = {
 FENCE = "# " + "=" * 98 + "\n# Plumbing"
 SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # Lines before the Safeguards fence (docstring and imports included): the lesson must not grow back
-# under the checks that protect it. fsdp2's is 48 above its first 450: its Checkpointer now holds
+# under the checks that protect it. fsdp2's is 65 above its first 450: its Checkpointer now holds
 # the whole plain recipe (temporary name, marker, rename, the background write's marking), which
 # the safeguards' subclass extends, where it used to call a folder class of the safeguards (30);
-# and the background writer's process, its shared-memory staging and the optimizer-step hook
-# that waits for the copy (18).
-BUDGETS = {"fsdp2_transformer.py": 498, "t5_fsdp_finetune.py": 460, "fsdp1_mnist.py": 250,
+# the background writer's process, its shared-memory staging and the optimizer-step hook that
+# waits for the copy (18); and start_writers (17), which starts the writer processes before
+# training: started at the first save, they paused it 0.08-0.20 s there, 0.03 s after.
+BUDGETS = {"fsdp2_transformer.py": 515, "t5_fsdp_finetune.py": 460, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
