@@ -40,12 +40,14 @@ import math
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +138,32 @@ def stderr_tail(stderr):
     cut = next((i for i, line in enumerate(lines) if "torch/distributed/elastic/" in line),
                len(lines))
     return "\n".join(lines[:cut][-STDERR_TAIL:] or lines[-STDERR_TAIL:])
+
+
+def watch_writers(workdir, finished, seen):
+    """Until finished is set, every 0.2 s: the CPU seconds (user + system) so far of each
+    checkpoint writer of the run in workdir (DCP's spawned processes, in the run's folder), into
+    seen {pid: seconds}. A writer is idle at its end (its last save is waited for): little is
+    missed."""
+    tick = os.sysconf("SC_CLK_TCK")
+    while not finished.wait(0.2):
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") != str(workdir):
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                seen[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+
+
+def cpu_seconds_of_children():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def log(message):
@@ -393,7 +421,11 @@ for config, repeat in schedule:
         label = (f"{config['benchmark']} {config['device']} world size {config['world_size']} "
                  f"{config['name']}")
         log(f"[{len(runs) + 1}/{total}] {label}, run {repeat}/{args.repeats}")
-        run_start = time.perf_counter()
+        run_start, cpu_start = time.perf_counter(), cpu_seconds_of_children()
+        finished, writers = threading.Event(), {}
+        watching = threading.Thread(target=watch_writers, args=(workdir, finished, writers))
+        if config["benchmark"] == "checkpoint":  # the others have no writer to watch
+            watching.start()
         proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
@@ -402,10 +434,17 @@ for config, repeat in schedule:
             proc.terminate()  # torchrun passes SIGTERM on to its workers
             stdout, stderr = proc.communicate()
             stderr += f"\nharness: killed after --timeout {args.timeout} s"
+        finished.set()
+        if watching.is_alive():
+            watching.join()
         run = {"benchmark": config["benchmark"], "device": config["device"],
                "world_size": config["world_size"], "name": config["name"], "repeat": repeat,
                "command": command, "returncode": proc.returncode,
-               "seconds": time.perf_counter() - run_start, "metrics": None, "figures": None}
+               "seconds": time.perf_counter() - run_start, "metrics": None, "figures": None,
+               # every process of the run, reaped ones (torchrun waits for its workers, each
+               # worker for its writer): user + system
+               "cpu_s": cpu_seconds_of_children() - cpu_start,
+               "writers_cpu_s": sum(writers.values())}
         runs.append(run)
         error = None
         if proc.returncode != 0 or not metrics_path.exists():
@@ -421,6 +460,9 @@ for config, repeat in schedule:
             else:
                 try:
                     run["figures"] = figures_of(config, metrics, stdout)
+                    if config["benchmark"] == "checkpoint":
+                        run["figures"].update(cpu_s=run["cpu_s"],
+                                              writers_cpu_s=run["writers_cpu_s"])
                 except KeyError as e:
                     error = f"its metrics file has no {e} (has the script changed?)"
         if error:
@@ -562,7 +604,8 @@ if "checkpoint" in args.only:
     none, synchronous = (find("checkpoint", "cpu", name=name) for name in list(CHECKPOINT_RUNS)[:2])
     headers = ["configuration", "tokens/s (steady)", "vs no checkpoints",
                "tokens/s (all steps and pauses)", "vs no checkpoints", "first save's pause (s)",
-               "vs synchronous", "later saves' pause, median (s)", "vs synchronous"]
+               "vs synchronous", "later saves' pause, median (s)", "vs synchronous",
+               "CPU s, every process", "of which writers"]
     rows = []
     for c in (c for c in configs if c["benchmark"] == "checkpoint"):
         rows.append([c["name"] + (" (FAILED)" if c["failed"] else ""),
@@ -573,13 +616,16 @@ if "checkpoint" in args.only:
                                median(none, "all_in_tokens_per_s")), ".2f")]
                     + [value for key in ("first_pause_s", "later_pause_s") for value in (
                         fmt(median(c, key), ".3f"),
-                        fmt(ratio(median(c, key), median(synchronous, key)), ".3f"))])
+                        fmt(ratio(median(c, key), median(synchronous, key)), ".3f"))]
+                    + [fmt(median(c, "cpu_s"), ".1f"), fmt(median(c, "writers_cpu_s"), ".1f")])
     out += ["\n### Checkpoint pauses: synchronous, thread and process writers (CPU, gloo)\n",
             f"`{' '.join(CHECKPOINT_MODEL)}` on 2 ranks, saves `{' '.join(CHECKPOINT_SAVES)}`; "
             f"{runs_said}, the configurations taking turns. tokens/s (steady) is the script's "
             "(the median step, pauses left out); tokens/s (all) counts every step after the first "
             "and every pause. A pause is how long a save stopped training, the wait of the next "
-            "step for its copy included.\n", markdown_table(headers, rows)]
+            "step for its copy included. CPU s: user + system seconds of the whole run, every "
+            "process (start-up included), and of the checkpoint writer processes alone.\n",
+            markdown_table(headers, rows)]
 
 if "fsdp2-gpu" in args.only:
     headers = ["configuration", "tokens/s", "vs upstream example", "TFLOP/s", "MFU",
