@@ -731,9 +731,10 @@ class CheckedCheckpointer(Checkpointer):
     asynchronous one: in save, and in the next step's wait for its copy to host memory)."""
 
     def __init__(self, folder, config, **options):
-        self.given, self.started, self.last, self.path, self.pauses = folder, None, None, None, []
+        self.given = folder  # as the user wrote it, for its messages
+        self.started, self.last, self.path, self.pauses = None, None, None, []
         self.staged_bytes, self.shared_before = [], shared_memory_bytes()
-        self.doing = None  # what a failed background write was doing, for its error line
+        self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
         if self.stager is not None:  # asynchronous: the divergence check runs with the copy
             self.stager = FiniteStager(self.stager)
