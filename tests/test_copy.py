@@ -184,7 +184,8 @@ loss = train(model, loader, optimizer, None, epoch=1, device=device)
 val_loss = validation(model, val_loader, device)
 assert loss == loss and val_loss == val_loss
 scheduler.step()
-export_model(model, tokenizer, out + "/best")
+# cpu_offload=False, as the script passes on CPU (its offload_to_cpu: torch 2.11 breaks there)
+export_model(model, tokenizer, out + "/best", cpu_offload=False)
 batch = next(iter(val_loader))
 inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
           "labels": batch["target_ids"], "use_cache": False}
