@@ -784,9 +784,10 @@ class CheckedCheckpointer(Checkpointer):
         except Exception as e:
             error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
         if staging is not None:
-            if error and dist.get_rank() == 0:
-                shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
-            agree_on_error(error and f"{error}; {last_checkpoint(self.folder)}")
+            errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                self.stop(next(error for error in errors if error))
             if hook_args:
                 self.pauses[-1] += time.perf_counter() - started
             held = shared_memory_bytes()  # the staged copy, in shared memory
@@ -825,6 +826,11 @@ class CheckedCheckpointer(Checkpointer):
             if finished:
                 try:
                     super().wait()
+                # Workaround: DCP's staging_completion says that a copy which failed before
+                # async_save returned succeeded (torch 2.11 to 2.15 do not check a done staging
+                # future); the failure then comes with the write. Remove when DCP passes it on.
+                except NonFinite as e:
+                    error = f"training diverged: {e}; {DIVERGED}"
                 except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
                     error = (write_problem(e, self.path, ELSEWHERE)
                              or f"cannot {self.doing} ({one_line(root_cause(e))})")
@@ -833,11 +839,15 @@ class CheckedCheckpointer(Checkpointer):
             if all(finished for finished, _ in states) or any(error for _, error in states):
                 break
             time.sleep(0.1)
-        error = next((error for _, error in states if error), None)  # every rank's the same
-        if error:
-            if dist.get_rank() == 0:
-                shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
-            fail(f"{error}; {last_checkpoint(self.folder)}")
+        if any(error for _, error in states):
+            self.stop(next(error for _, error in states if error))
+
+    def stop(self, error):
+        """Stop every rank (each calls this with the same error) in one line; rank 0 removes the
+        failed save's .tmp folder."""
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
+        fail(f"{error}; {last_checkpoint(self.folder)}")
 
     def load(self, model, optimizer):
         """The lesson's load of the newest complete checkpoint as rank 0 finds it, once its marker
