@@ -724,11 +724,11 @@ def add_fresh_start_flags(add):
 class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
     background write (saying so when that took long), refuses non-finite parameters and a save the
-    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed);
-    its files reach the disk before the marker does. A
-    resume reads only a checkpoint whose marker and tensors fit this model, and a read that fails
-    stops every rank in one line. pauses: the seconds each save blocked training (an
-    asynchronous one: in save, and in the next step's wait for its copy to host memory)."""
+    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed); its
+    files reach the disk before the marker does. A resume reads only a checkpoint whose marker and
+    tensors fit this model, and a read that fails stops every rank in one line. pauses: the
+    seconds each save blocked training (an asynchronous one: in save, and in the next step's wait
+    for its copy to host memory)."""
 
     def __init__(self, folder, config, **options):
         self.given = folder  # as the user wrote it, for its messages
