@@ -1494,6 +1494,8 @@ def stop_if_diverged(where, tensors, advice):
     for tensor in tensors:
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors
         bad += (~torch.isfinite(tensor.detach())).any()
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only (CPU offload, a float loss)
+        bad = bad.cuda()
     dist.all_reduce(bad)
     if bad:
         fail(f"training diverged: {where} is not finite (NaN or infinite); {advice}")
