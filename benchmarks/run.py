@@ -62,10 +62,11 @@ C1B_RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "
             "--batch-size 16 --compile": ["--batch-size", "16", "--compile"],
             "--activation-checkpointing": ["--batch-size", "8", "--activation-checkpointing"],
             "--cpu-offload": ["--batch-size", "8", "--cpu-offload"],
-            # Two saves of 12 GB each (the GPU machines' disk holds 64 GB), 100 steps (24 s on an
-            # H100) apart: longer than a synchronous write (19.6 s), shorter than DCP's background
-            # write while training (about 37 s, 2026-11-24): the asynchronous row's later pause
-            # still includes a wait for the save before, which the script's "Waited" line gives.
+            # 201 steps, saves of 12.5 GB at steps 100, 200 and 201 (37.5 GB; the GPU machines'
+            # disk holds 64 GB). The later pause is the save at step 200's: step 201 waits for its
+            # copy to host memory, which a save at the last step would leave unmeasured (0.03 s
+            # where step 201 waited 5.6 s, H200, torch 2.11, 2026-11-26). The save at step 201
+            # waits for the background write before it (the script's "Waited" line).
             "checkpoint full": ["--batch-size", "8", "--save-every", "100"],
             "checkpoint sharded": ["--batch-size", "8", "--save-every", "100",
                                    "--checkpoint-format", "sharded"],
@@ -222,7 +223,7 @@ def figures_of(config, metrics, stdout):
         stalls = metrics["checkpoint_stall_s"] or [None]
         figures.update(tokens_per_s=metrics["tokens_per_s"], mfu=metrics["mfu"],
                        tflops=metrics["tflops_per_gpu"], first_pause_s=stalls[0],
-                       later_pause_s=stalls[-1] if len(stalls) > 1 else None)
+                       later_pause_s=stalls[1] if len(stalls) > 1 else None)  # step 200's
     else:
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = metrics["samples_per_s"]
@@ -396,7 +397,7 @@ if "fsdp2-gpu" in args.only:  # world size 1 on the first GPU; the checkpoints i
         saves = name.startswith("checkpoint")
         configs.append({"benchmark": "fsdp2-gpu", "device": "cuda", "world_size": 1,
                         "name": name, "script": "fsdp2_transformer.py",
-                        "args": [*C1B, *flags, "--steps", "200" if saves else "40",
+                        "args": [*C1B, *flags, "--steps", "201" if saves else "40",
                                  "--log-every", "10",
                                  *(["--checkpoint-dir", "ckpt"] if saves else [])]})
 
@@ -475,7 +476,7 @@ for config, repeat in schedule:
             config["failed"] = True
             continue
         config["figures"].append(run["figures"])
-        shutil.rmtree(workdir)  # C1B's checkpoints (24 GB a run) would fill the disk by the next
+        shutil.rmtree(workdir)  # C1B's checkpoints (37.5 GB a run) would fill the disk by the next
         log(f"    {run['seconds']:.1f} s: "
             + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                         for k, v in run["figures"].items()))
@@ -643,7 +644,8 @@ if "fsdp2-gpu" in args.only:
             "with --compile, and checkpoint pauses left out); the upstream example "
             f"(pytorch/examples distributed/FSDP2, same sizes and loss) ran at "
             f"{UPSTREAM_C1B_TOKENS_PER_S:,} tokens/s on an H100 (issue 19). A pause is how long "
-            "training stopped for a save.\n", markdown_table(headers, rows)]
+            "training stopped for a save; the later one is the save at step 200's, step 201's "
+            "wait for its copy included.\n", markdown_table(headers, rows)]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"
