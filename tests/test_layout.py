@@ -27,7 +27,7 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # the safeguards' subclass extends, where it used to call a folder class of the safeguards (30);
 # the background writer's process, its shared-memory staging and the optimizer-step hook that
 # waits for the copy (18); and start_writers (17), which starts the writer processes before
-# training: started at the first save, they paused it 0.08-0.20 s there, 0.03 s after.
+# training rather than during the first save, which their start paused (benchmarks/README.md).
 BUDGETS = {"fsdp2_transformer.py": 515, "t5_fsdp_finetune.py": 460, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
