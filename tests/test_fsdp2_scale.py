@@ -99,8 +99,10 @@ def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path
     assert len(pauses) == len(staging) == 3 and min(staging) > 0.05, (pauses, staging)
     assert max(pauses[1:]) < min(staging[1:]) and pauses[0] < staging[0], (pauses, staging)
     printed = re.findall(r"\(in the background\), training paused (\d+\.\d\d) s", result.stdout)
-    # (a line printed before the next step waited for the copy lacks that wait: about 0 here)
-    assert all(abs(float(p) - q) < 0.011 for p, q in zip(printed, pauses)), result.stdout
+    # A line printed (once written) before the next step waited for the copy lacks that wait,
+    # which is shorter than the copy: on a loaded machine, up to 0.02 s here. Rounded to 0.01 s.
+    assert len(printed) == 3 and all(0 <= float(p) <= q + 0.005 and q - float(p) < s for p, q, s
+                                     in zip(printed, pauses, staging)), (result.stdout, staging)
     assert re.search(rf"Checkpoints paused training {pauses[0]:.2f} s at the first save, a median "
                      rf"{statistics.median(pauses[1:]):.2f} s at the 2 later ones", result.stdout)
 
