@@ -4,13 +4,16 @@ After the PyTorch tutorial "Advanced Model Training with Fully Sharded Data Para
 pretrained model, one unit per T5Block, device_id initialization, sharding strategies, backward
 prefetch, mixed precision, activation checkpointing, the rank-0 streaming full-state-dict save
 and resumable sharded (DCP) checkpoints; --fsdp-version 2 shards the same units with FSDP2
-(fully_shard, which fsdp2_transformer.py teaches). The FSDP parts: wrap_model(), shard_model().
+(fully_shard, which fsdp2_transformer.py teaches). --lora-rank trains LoRA adapters (PEFT) on the
+frozen model instead of every weight. The FSDP parts: wrap_model(), shard_model().
 
     python t5_fsdp_finetune.py                           # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 4 t5_fsdp_finetune.py --sharding-strategy SHARD_GRAD_OP \\
         --activation-checkpointing --checkpoint-type sharded --save-dir runs/t5 --fsdp-version 2
     torchrun --nproc_per_node 4 --max-restarts 3 t5_fsdp_finetune.py --checkpoint-type sharded \\
         --save-dir runs/t5 --resume auto                 # restarts resume after the last epoch
+    torchrun --nproc_per_node 4 t5_fsdp_finetune.py --fsdp-version 2 --lora-rank 16 \\
+        --base-dtype bf16 --lr 3e-4                      # LoRA: exports adapters and a merged model
 
 Data: wikihowAll.csv in --data-dir (README.md, "Data"). CUDA + NCCL with a GPU, else CPU + gloo.
 """
@@ -24,8 +27,10 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
+from peft import LoraConfig, get_peft_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -48,7 +53,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.distributed.fsdp.wrap import CustomPolicy
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -70,6 +75,15 @@ def load_model_and_tokenizer(name, on_meta=False):
     return T5ForConditionalGeneration.from_pretrained(name, dtype=torch.float32), tokenizer
 
 
+def add_lora(model, rank, alpha, dropout, targets, base_dtype):
+    """LoRA with PEFT, before sharding: the model's weights frozen, in base_dtype (bf16 halves
+    their memory), and beside each Linear named in targets two trainable matrices (the adapters,
+    fp32) of rank `rank`, whose product scaled by alpha / rank adds to the Linear's output."""
+    model.to(base_dtype)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                                            target_modules=targets, task_type="SEQ_2_SEQ_LM"))
+
+
 def load_data(tokenizer, data_dir, input_length, output_length, num_train, num_val):
     """The train and validation sets (num_val None: none); a WikiHowError says what is wrong."""
     options = {"input_length": input_length, "output_length": output_length, "data_dir": data_dir}
@@ -77,16 +91,25 @@ def load_data(tokenizer, data_dir, input_length, output_length, num_train, num_v
     return train_set, wikihow(tokenizer, "validation", num_val, **options) if num_val else None
 
 
+def rank_loader(dataset, batch_size, device, shuffle=False, seed=0):
+    """Batches of this rank's share of dataset; on a GPU, made by workers, in pinned memory."""
+    options = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
+    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
+
+
 # ------------------------------------------------------------------------------------------ FSDP
-# The tutorial's four policies. FSDP keeps fp32 master weights; these set the compute (param),
-# gradient-communication (reduce) and buffer dtypes. A dtype left out is not cast.
+# The tutorial's four policies: compute (param), gradient-communication (reduce) and buffer dtypes
+# of FSDP's master weights. A dtype left out is not cast (the tutorial's fp32 policy names fp32:
+# it would compute a bf16 LoRA base in fp32). cast_forward_inputs: in every unit, as FSDP2 does.
 POLICIES = {  # MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)
-    "fp32": MixedPrecision(torch.float32, torch.float32, torch.float32),
-    "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    "fp16": MixedPrecision(torch.float16, torch.float16, torch.float16),
+    "fp32": MixedPrecision(),
+    "bf16": MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                           cast_forward_inputs=True),
+    "fp16": MixedPrecision(torch.float16, torch.float16, torch.float16, cast_forward_inputs=True),
     "grad-bf16": MixedPrecision(reduce_dtype=torch.bfloat16),
 }
-POLICIES_FSDP2 = {  # FSDP2's: fp32 shards, computed in param_dtype, reduced in reduce_dtype
+POLICIES_FSDP2 = {  # FSDP2's: computed in param_dtype, gradients reduced in reduce_dtype
     "fp32": MixedPrecisionPolicy(),
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "grad-bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
@@ -97,36 +120,44 @@ POLICIES_FSDP2 = {  # FSDP2's: fp32 shards, computed in param_dtype, reduced in 
 NON_REENTRANT = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
-def mixed_precision_choice(choice, device):
-    """The policy to use: auto and unsupported bf16 resolve as the tutorial's bf16_ready check."""
-    bf16_ready = device.type == "cpu" or (  # CPU kernels and gloo handle bf16
-        torch.cuda.is_bf16_supported(including_emulation=False)
-        and torch.cuda.nccl.version() >= (2, 10))
-    if choice == "auto":  # on CPU bf16 runs, but without native bf16 units it is slower than fp32
-        return "bf16" if device.type == "cuda" and bf16_ready else "fp32"
-    if choice in ("bf16", "grad-bf16") and not bf16_ready:
-        rank0_print(f"--mixed-precision {choice}: this GPU has no native bf16; using fp32")
-        return "fp32"
-    return choice
-
-
-def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefetch,
-               limit_all_gathers, activation_checkpointing, sync_module_states=False,
-               param_init_fn=None):
-    """FSDP1 with one unit per T5Block: each rank keeps its shard of the parameters, gradients
-    and optimizer state; a unit's parameters are gathered only while it computes."""
+def device_mesh(device, hybrid):
+    """The ranks FSDP shards over; hybrid (HSDP): replicated across nodes, sharded within each."""
     world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    strategy = ShardingStrategy[sharding_strategy]
-    # HYBRID_SHARD shards within a node and replicates across nodes: a (nodes, node size) mesh.
-    # With a mesh, FSDP1's sharded state dicts hold DTensors, not the deprecated ShardedTensors.
-    mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size)
-                            if strategy == ShardingStrategy.HYBRID_SHARD else (world_size,))
+    if hybrid:
+        return init_device_mesh(device.type, (world_size // local_world_size, local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+
+
+def materialize_on(device):
+    """FSDP1's param_init_fn for a model on the meta device: each module's own tensors get memory
+    on device for rank 0's values, swapped in place (torch.__future__'s switch, here only): a
+    parameter two modules share (T5's embedding and lm_head) stays one, where by default
+    to_empty makes a tensor per module."""
+    def param_init_fn(module):
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        module.to_empty(device=device, recurse=False)
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+    return param_init_fn
+
+
+def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward_prefetch,
+               limit_all_gathers, activation_checkpointing, sync_module_states=False):
+    """FSDP1 with one unit per T5Block: each rank keeps its shard of the parameters, gradients
+    and optimizer state; a unit's parameters are gathered only while it computes.
+    sync_module_states: only rank 0's model has weights, the others are on the meta device."""
+    frozen_base = any(not p.requires_grad for p in model.parameters())  # LoRA (add_lora)
     model = FSDP(
         model,  # on CPU; device_id moves it to the device one FSDP unit at a time
         # A unit per T5Block; the shared embedding (encoder, decoder, lm_head) stays in the root.
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                           transformer_layer_cls={T5Block}),
-        sharding_strategy=strategy,
+        # LoRA: a unit per adapter too. FSDP1 flattens a unit into one tensor of one dtype, trained
+        # or frozen as a whole (use_orig_params=True instead: base gradients, NO_SHARD fails).
+        auto_wrap_policy=CustomPolicy(lambda module: isinstance(module, T5Block) or (
+            frozen_base and isinstance(module, nn.Linear) and module.weight.requires_grad)),
+        sharding_strategy=ShardingStrategy[sharding_strategy],
+        # HYBRID_SHARD's mesh is 2-D. With a mesh, FSDP1's sharded state dicts hold DTensors.
         device_mesh=mesh,
         mixed_precision=mixed_precision,
         backward_prefetch=(None if backward_prefetch == "NONE"
@@ -136,7 +167,7 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
         # --cpu-ram-efficient-loading: only rank 0 has the weights; the others, on the meta device,
         # get memory (param_init_fn) and then rank 0's values (sync_module_states).
         sync_module_states=sync_module_states,
-        param_init_fn=param_init_fn,
+        param_init_fn=materialize_on(device),
     )
     if activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
@@ -144,22 +175,18 @@ def wrap_model(model, device, sharding_strategy, mixed_precision, backward_prefe
     return model
 
 
-def shard_model(model, device, sharding_strategy, mp_policy, activation_checkpointing,
+def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_checkpointing,
                 broadcast_from_rank0=False):
-    """FSDP2 with wrap_model's units: each T5Block, then the root, whose group holds the embedding
-    that encoder, decoder and a tied lm_head share (a parameter sits in one group: fully_shard(
+    """FSDP2 with wrap_model's units: each T5Block (with its LoRA adapters: FSDP2 makes gradients
+    per parameter, and since torch 2.10 only those that train must share a dtype), then the root,
+    whose group holds the embedding that encoder, decoder and a tied lm_head share (fully_shard(
     model.shared) alone is refused). The parameters become DTensor shards in place, same names.
     broadcast_from_rank0: only rank 0's model has weights, the others are on the meta device."""
-    world_size, local_world_size = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
-    hybrid = sharding_strategy == "HYBRID_SHARD"  # HSDP: replicate across nodes, shard within each
-    shape = (world_size // local_world_size, local_world_size) if hybrid else (world_size,)
-    mesh = init_device_mesh(device.type, shape,
-                            mesh_dim_names=("replicate", "shard") if hybrid else ("shard",))
     full_state = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else {}
     if activation_checkpointing:  # as in wrap_model, but before sharding
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
                                        checkpoint_wrapper_fn=NON_REENTRANT)
-    for module in (*model.encoder.block, *model.decoder.block, model):
+    for module in (*model.encoder.block, *model.decoder.block, model):  # PEFT passes .encoder on
         fully_shard(module, mesh=mesh, mp_policy=mp_policy,
                     reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")  # ZeRO-2: False
     if broadcast_from_rank0:
@@ -231,36 +258,59 @@ def validation(model, loader, device, bar=tqdm):
 TRAINER_STATE = "trainer_state.json"  # written last into a sharded checkpoint: marks it complete
 
 
+def trained_state(model, optimizer):
+    """This rank's shards of a resumable checkpoint: the optimizer's state and the tensors it trains
+    (LoRA: not the frozen base, which ignore_frozen_params would keep under its tied names)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": {k: v for k, v in model_state.items() if k in optimizer_state["state"]},
+            "optimizer": optimizer_state}
+
+
+def replace_directory(path, *writers):
+    """Write the directory path with writers (each called with a temporary path), then rename."""
+    shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
+    for write in writers:
+        write(f"{path}.tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(f"{path}.tmp", path)
+
+
 def export_model(model, tokenizer, path, cpu_offload=True):
     """Rank 0 writes path.pt (the full state dict) and the HF directory path-hf, each under a
     temporary name renamed once complete; all ranks call it. get_model_state_dict(full_state_dict,
     cpu_offload) is the tutorial's streaming FULL_STATE_DICT save (offload_to_cpu, rank0_only)
     without the deprecated FSDP.state_dict_type context: the parameters are gathered one FSDP
-    unit at a time and only rank 0 keeps them, on CPU."""
+    unit at a time and only rank 0 keeps them, on CPU. LoRA: path-hf is the merged model (each
+    adapter's product added into its weight), path-adapter what PeftModel.from_pretrained opens."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     state = get_model_state_dict(model, options=options)
-    if dist.get_rank() == 0:
-        torch.save(state, f"{path}.pt.tmp")
-        os.replace(f"{path}.pt.tmp", f"{path}.pt")
-        with torch.device("meta"):  # no second random initialization: weights from state
-            plain = T5ForConditionalGeneration(model.config)  # FSDP1 passes .config on
-        plain.load_state_dict(state, assign=True)
-        if torch.equal(state["lm_head.weight"], state["shared.weight"]):  # not flan-t5's: untied
-            plain.tie_weights()
-        plain.generation_config = model.generation_config
-        shutil.rmtree(f"{path}-hf.tmp", ignore_errors=True)  # the leftover of a crash
-        plain.save_pretrained(f"{path}-hf.tmp")
-        tokenizer.save_pretrained(f"{path}-hf.tmp")
-        shutil.rmtree(f"{path}-hf", ignore_errors=True)
-        os.replace(f"{path}-hf.tmp", f"{path}-hf")
-        rank0_print(f"Saved {path}.pt and {path}-hf")
+    if dist.get_rank() != 0:
+        return
+    torch.save(state, f"{path}.pt.tmp")
+    os.replace(f"{path}.pt.tmp", f"{path}.pt")
+    lora = getattr(model, "peft_config", None)  # PEFT's configuration (FSDP1 passes it on)
+    with torch.device("meta"):  # no second random initialization: weights from state
+        plain = T5ForConditionalGeneration(model.config)
+        if lora:
+            plain = get_peft_model(plain, lora["default"])
+    plain.load_state_dict(state, assign=True)
+    base = plain.get_base_model() if lora else plain
+    # Tied as trained: flan-t5's lm_head is its own, though its T5Config says tied.
+    base.config.tie_word_embeddings = torch.equal(base.lm_head.weight, base.shared.weight)
+    base.tie_weights()
+    if lora:
+        replace_directory(f"{path}-adapter", plain.save_pretrained)  # the adapters alone
+        plain = plain.merge_and_unload()
+    plain.generation_config = model.generation_config
+    replace_directory(f"{path}-hf", plain.save_pretrained, tokenizer.save_pretrained)
+    rank0_print(f"Saved {path}.pt, {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
 def save_sharded_checkpoint(model, optimizer, trainer_state, path):
-    """Every rank writes its shards of the model and optimizer state with DCP (dcp.save is a
-    collective) into path.tmp; rank 0 adds the trainer state (epoch, scheduler, losses), which
-    marks it complete, last, and renames it to path."""
-    state = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # the shards
+    """Every rank writes its shards of what trains and of the optimizer state (trained_state) with
+    DCP (dcp.save is a collective) into path.tmp; rank 0 adds the trainer state (epoch,
+    scheduler, losses), which marks it complete, last, and renames it to path."""
+    state = trained_state(model, optimizer)
     if dist.get_rank() == 0:
         shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
     dist.barrier()
@@ -279,10 +329,10 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
     size (each rank reads what its shards hold of the saved ones); return its trainer state."""
     with open(os.path.join(path, TRAINER_STATE)) as f:
         state = json.load(f)
-    loaded = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))  # to fill
+    loaded = trained_state(model, optimizer)  # to fill
     dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
     set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optimizer"])
+                   optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
     scheduler.load_state_dict(state["scheduler"])
     if scaler and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
@@ -298,41 +348,39 @@ def main(args, device):
     # 1. Load the model, tokenizer and data: each node's rank 0 first (downloads, caches).
     on_meta = args.cpu_ram_efficient_loading and dist.get_rank() > 0  # rank 0 loads weights
     model, tokenizer = local_rank_zero_first(lambda: checked_model(args.model_name, on_meta))
+    if args.lora_rank:  # LoRA: train small adapters beside the frozen model's weights
+        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                         targets=args.lora_targets, base_dtype=BASE_DTYPES[args.base_dtype])
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
         args.num_val_samples if args.run_validation else None))
     rank0_print(f"Size of train dataset: {len(train_set)}, validation dataset: "
                 f"{len(val_set) if val_set else 'none (--no-run-validation)'}")
-    loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
-                              sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
-    val_loader = None
-    if val_set:
-        val_loader = DataLoader(val_set, batch_size=args.test_batch_size, **loader_kwargs,
-                                sampler=DistributedSampler(val_set, shuffle=False))
+    train_loader = rank_loader(train_set, args.batch_size, device, shuffle=True, seed=args.seed)
+    val_loader = rank_loader(val_set, args.test_batch_size, device) if val_set else None
 
     # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
-    untie_as_on_rank_0(model)  # a workaround: flan-t5 is untied on rank 0, tied on the meta device
+    strategy = apply_workarounds(model, device, fsdp_version=args.fsdp_version,
+                                 sharding_strategy=args.sharding_strategy,
+                                 from_rank0=args.cpu_ram_efficient_loading)  # see Safeguards
+    mesh = device_mesh(device, hybrid=strategy == "HYBRID_SHARD")
     precision = mixed_precision_choice(args.mixed_precision, device)
     if args.fsdp_version == 1:
-        allow_sync_module_states_on_cpu(args.cpu_ram_efficient_loading, device)  # a workaround
-        model = wrap_model(model, device, sharding_strategy=strategy_to_use(args.sharding_strategy),
+        model = wrap_model(model, mesh, device, sharding_strategy=strategy,
                            mixed_precision=POLICIES[precision],
                            backward_prefetch=args.backward_prefetch,
                            limit_all_gathers=args.limit_all_gathers,
                            activation_checkpointing=args.activation_checkpointing,
-                           sync_module_states=args.cpu_ram_efficient_loading,
-                           param_init_fn=materialize_on(device))  # keeps T5's shared weights tied
+                           sync_module_states=args.cpu_ram_efficient_loading)
     else:
-        model = shard_model(model, device, sharding_strategy=args.sharding_strategy,
+        model = shard_model(model, mesh, device, sharding_strategy=strategy,
                             mp_policy=POLICIES_FSDP2[precision],
                             activation_checkpointing=args.activation_checkpointing,
                             broadcast_from_rank0=args.cpu_ram_efficient_loading)
-    describe_fsdp(model)  # what FSDP built, read from the wrapped model
-    loaded = report_memory_after_loading(Report(args, device), model)
+    loaded = report_built(model, Report(args, device))  # what FSDP built, and its memory
 
-    # 3. The optimizer after wrapping, so that it holds this rank's shards; fp16's grad scaler.
-    optimizer = optim.AdamW(model.parameters(), lr=args.lr)
+    # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
+    optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
     stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
@@ -340,9 +388,9 @@ def main(args, device):
     # 4. Resume from the sharded checkpoint that --resume names (auto: the newest in --save-dir).
     checkpoint = find_resumable(args.resume, args.save_dir)  # checked by check_flags
     state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None, "train_losses": [],
-             "val_losses": []}
-    if checkpoint:
-        with checkpoint_errors(checkpoint):  # any rank's failure: one line on every rank
+             "val_losses": [], "lora": args.lora, "base": base_fingerprint(model)}
+    if checkpoint:  # any rank's failure, or another base under LoRA: one line on every rank
+        with checkpoint_errors(checkpoint, base=state["base"]):
             state = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, scaler)
     check_before_training(args)  # --save-dir writable and locked; --overwrite
 
@@ -415,6 +463,17 @@ def parse_args(argv=None):
         help="random seed (dropout, shuffling)")
     add("--run-validation", action=on_off, default=True,
         help="compute the validation loss every epoch (without: the last epoch's model is saved)")
+    add = parser.add_argument_group("LoRA: train adapters, not the model's weights").add_argument
+    add("--lora-rank", type=positive(int, zero=True), default=0, metavar="R", help="the adapters' "
+        "rank (PEFT's r; 8-64 is usual); 0: full fine-tuning, every weight trained")
+    add("--lora-alpha", type=positive(float), default=16, metavar="A", help="scales them: A / R")
+    add("--lora-dropout", type=positive(float, zero=True, most=0.99), default=0.05, metavar="P",
+        help="dropout on their input")
+    add("--lora-targets", type=lambda text: text.split(","), default=["q", "v"], metavar="NAMES",
+        help="names of the Linear modules that get adapters (T5: q,k,v,o attention, wi,wo MLP) "
+             "(default: q,v)")
+    add("--base-dtype", default="fp32", choices=list(BASE_DTYPES), help="the frozen base's "
+        "dtype: bf16 halves its memory (the adapters stay fp32)")
     add = parser.add_argument_group("FSDP").add_argument
     add("--fsdp-version", type=int, default=1, choices=[1, 2], help="1: FSDP1's wrapper (the "
         "tutorial's); 2: FSDP2's fully_shard (README.md, 't5_fsdp_finetune.py on FSDP2')")
@@ -441,7 +500,8 @@ def parse_args(argv=None):
     add = parser.add_argument_group("checkpointing").add_argument
     add("--save-model", action=on_off, default=True,
         help="save the model when the validation loss improves: T5-model-<date>-<epoch>-<loss>.pt "
-             "(full state dict) and the HF directory ...-hf, with the tokenizer")
+             "(full state dict) and the HF directory ...-hf, with the tokenizer (LoRA: merged; "
+             "and the PEFT adapters ...-adapter)")
     add("--checkpoint-type", default="full", choices=["full", "sharded"],
         help="full: only the best model, gathered on rank 0; sharded: also a resumable DCP "
              "checkpoint (every rank writes its shards) per epoch: <save-dir>/checkpoint-epoch-N")
@@ -482,19 +542,19 @@ import threading
 import time
 import traceback
 import warnings
-import weakref
 
 import huggingface_hub
 import torch.multiprocessing as mp
-import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
+from torch.distributed.tensor import DTensor
 from transformers.utils import logging as hf_logging
 
 from summarization_dataset import DOWNLOAD_HELP, WikiHowError, check_csv
 
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --base-dtype's choices
 ELSEWHERE = "pass another --save-dir"  # where else a save can go, when a disk is full
 
 
@@ -548,6 +608,7 @@ def check_flags(args, device, world_size):
     if args.resume == "auto" and args.checkpoint_type != "sharded":
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
+    check_lora_flags(args)
     if args.limit_all_gathers is None and args.fsdp_version == 1:
         args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
     args.model_name = name = os.path.expanduser(args.model_name)
@@ -568,13 +629,51 @@ def check_flags(args, device, world_size):
     if os.path.isdir(name) and (problem := model_folder_problem(name)):
         fail(f"cannot load a T5 model and tokenizer from the directory {name} ({problem}); pass "
              "--model-name with a directory written by save_pretrained, or a hub id")
+    if args.lora_rank and (problem := lora_targets_problem(name, args.lora_targets)):
+        fail(problem)
     problem = resume_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
-                                 sharded=args.save_model and args.checkpoint_type == "sharded")
+                             sharded=args.save_model and args.checkpoint_type == "sharded",
+                             lora=args.lora)
     if problem:
         fail(problem)
 
 
-def resume_problem(resume, save_dir, epochs, overwrite, sharded):
+def check_lora_flags(args):
+    """The LoRA flags that cannot work, refused in one line; args.lora: what a LoRA run records in
+    its checkpoints (None: full fine-tuning), which a resume must match."""
+    if args.base_dtype != "fp32" and not args.lora_rank:
+        fail(f"--base-dtype {args.base_dtype} stores the frozen base of LoRA; add --lora-rank, or "
+             "for full fine-tuning use --mixed-precision bf16 (which keeps fp32 master weights)")
+    if args.base_dtype == "bf16" and args.mixed_precision == "fp16":
+        fail("--base-dtype bf16 with --mixed-precision fp16 would cast the bf16 base to fp16, "
+             "whose range is smaller; use --mixed-precision bf16 or fp32")
+    args.lora = None
+    if args.lora_rank:
+        args.lora = {"rank": args.lora_rank, "alpha": args.lora_alpha,
+                     "dropout": args.lora_dropout, "targets": sorted(args.lora_targets),
+                     "base_dtype": args.base_dtype}
+
+
+def lora_targets_problem(name, targets):
+    """Why --lora-targets would not find its modules in the model --model-name names (read from
+    its config.json alone, the model built on the meta device), or None. PEFT finds a target by
+    the last parts of a module's name: "q" is every attention's q."""
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception:  # not readable here (the hub): PEFT's own error says it, after loading
+        return None
+    with torch.device("meta"):
+        names = [n for n, m in T5ForConditionalGeneration(config).named_modules()
+                 if isinstance(m, nn.Linear)]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not missing:
+        return None
+    linear = ", ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in names))
+    return (f"--lora-targets {','.join(targets)}: the model has no Linear module named "
+            f"{', '.join(missing)}; its Linear modules are named {linear}")
+
+
+def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
     """Why the checkpoint --resume names (auto: the newest in --save-dir) cannot be resumed, or
     why --save-dir, without --resume, must not be written into; None if nothing is wrong. Read
     from the files alone, before a model is loaded: a resumed run must have epochs left, and a new
@@ -597,7 +696,8 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded):
     checkpoint = os.path.abspath(checkpoint)
     try:
         with open(os.path.join(checkpoint, TRAINER_STATE)) as f:
-            epoch = json.load(f).get("epoch")
+            saved = json.load(f)
+        epoch = saved.get("epoch")
     except (OSError, ValueError, AttributeError) as e:
         return (f"--resume {checkpoint}: cannot load it ({one_line(e)}); it is corrupted, or was "
                 "saved for another model")
@@ -608,7 +708,21 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded):
     if epoch >= epochs:
         return (f"--resume: the checkpoint {checkpoint} has finished epoch {epoch} of --epochs "
                 f"{epochs}; raise --epochs to train further")
+    if saved.get("lora") != lora:  # what it holds: adapters of that LoRA, or every weight
+        return (f"--resume {checkpoint}: it was saved by {lora_flags(saved.get('lora'))}, not "
+                f"{lora_flags(lora)}; pass the flags it was saved with, or start afresh (without "
+                "--resume, in another --save-dir)")
     return None
+
+
+def lora_flags(lora):
+    """A LoRA record (check_lora_flags) as the flags that make it; None: full fine-tuning."""
+    if not lora:
+        return "full fine-tuning"
+    flags = {"rank": "--lora-rank", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
+             "targets": "--lora-targets", "base_dtype": "--base-dtype"}
+    return " ".join(f"{flags[key]} {','.join(value) if isinstance(value, list) else value}"
+                    for key, value in lora.items())
 
 
 def model_folder_problem(name):
@@ -681,7 +795,8 @@ def checked_save(model, path, needed, sharded=False):
 def local_state_bytes(model, optimizer):
     """The bytes of this rank's shards of the model and optimizer state: what a sharded
     checkpoint writes on this rank."""
-    return state_bytes(list(model.parameters())) + state_bytes(list(optimizer.state.values()))
+    trained = [p for p in model.parameters() if p.requires_grad]  # not a LoRA base
+    return state_bytes(trained) + state_bytes(list(optimizer.state.values()))
 
 
 def model_errors(name):
@@ -708,10 +823,39 @@ def errors_in_one_line(what, advice, every_rank=False):
         agree_on_error(error)
 
 
-def checkpoint_errors(path):
-    """Any rank failing to read the checkpoint at path ends every rank, with one line."""
-    return errors_in_one_line(f"--resume {path}: cannot load it",
-                              "it is corrupted, or was saved for another model", every_rank=True)
+@contextlib.contextmanager
+def checkpoint_errors(path, base):
+    """Any rank failing to read the checkpoint at path ends every rank, with one line; so do
+    adapters (LoRA) saved for another base than this run's (base: its base_fingerprint), whose
+    losses would be meaningless: checked before anything is read."""
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        saved = json.load(f).get("base")
+    if base is not None and not math.isclose(saved or 0, base, rel_tol=1e-9):
+        fail(f"--resume {path}: its adapters were trained on another base model than --model-name "
+             f"(fingerprint {saved!r}, not {base!r}); pass the --model-name it was trained with, "
+             "or start afresh without --resume")
+    with errors_in_one_line(f"--resume {path}: cannot load it", "it is corrupted, or was saved "
+                            "for another model", every_rank=True):
+        yield
+
+
+def base_fingerprint(model):
+    """A number that identifies the frozen weights of a LoRA run (None without any): the sum, over
+    its tensors, of each one's float64 sum weighted by its place in the state dict. Saved with
+    each checkpoint, so that adapters are never resumed onto another base. The sums of shards are
+    reduced across ranks (DTensor's full_tensor), so any world size and sharding give the same
+    number, to about 1e-15."""
+    trained = get_model_state_dict(model, options=StateDictOptions(
+        ignore_frozen_params=True)).keys()
+    total, found = 0.0, False
+    for place, (name, tensor) in enumerate(sorted(get_model_state_dict(model).items()), 1):
+        if name in trained:
+            continue
+        tensor_sum = tensor.sum(dtype=torch.float64)  # a DTensor's is partial: full_tensor sums
+        total += place * (tensor_sum.full_tensor() if isinstance(tensor_sum, DTensor)
+                          else tensor_sum).item()
+        found = True
+    return total if found else None
 
 
 def one_line(error):
@@ -740,6 +884,33 @@ def quiet_known_warnings():
     # out of place, and FSDP2's losses equal FSDP1's (tests/test_t5.py): nothing is wrong.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDP(T5Block|"
                             r"CheckpointWrapper)\) returned a view tensor")
+    # PEFT (0.21) reads transformers' deprecated is_gradient_checkpointing while it adds adapters,
+    # which transformers 5 answers with a FutureWarning to the user. Remove when PEFT reads
+    # is_activation_checkpointing (the LoRA runs of tests/test_t5.py assert no warning).
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")
+
+
+def mixed_precision_choice(choice, device):
+    """The policy to use: auto and unsupported bf16 resolve as the tutorial's bf16_ready check."""
+    bf16_ready = device.type == "cpu" or (  # CPU kernels and gloo handle bf16
+        torch.cuda.is_bf16_supported(including_emulation=False)
+        and torch.cuda.nccl.version() >= (2, 10))
+    if choice == "auto":  # on CPU bf16 runs, but without native bf16 units it is slower than fp32
+        return "bf16" if device.type == "cuda" and bf16_ready else "fp32"
+    if choice in ("bf16", "grad-bf16") and not bf16_ready:
+        rank0_print(f"--mixed-precision {choice}: this GPU has no native bf16; using fp32")
+        return "fp32"
+    return choice
+
+
+def apply_workarounds(model, device, fsdp_version, sharding_strategy, from_rank0):
+    """The labelled workarounds that sharding needs (each below), applied to model before it is
+    sharded; returns the sharding strategy to use (FSDP1: strategy_to_use's)."""
+    untie_as_on_rank_0(model)
+    if fsdp_version == 2:
+        return sharding_strategy
+    allow_sync_module_states_on_cpu(from_rank0, device)
+    return strategy_to_use(sharding_strategy)
 
 
 def untie_as_on_rank_0(model):
@@ -753,7 +924,8 @@ def untie_as_on_rank_0(model):
     untied = [model.lm_head.weight is not model.shared.weight]
     dist.broadcast_object_list(untied, src=0)
     if untied[0] and model.lm_head.weight is model.shared.weight:
-        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight))
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight),
+                                                  requires_grad=model.shared.weight.requires_grad)
 
 
 def allow_sync_module_states_on_cpu(sync_module_states, device):
@@ -765,33 +937,6 @@ def allow_sync_module_states_on_cpu(sync_module_states, device):
     tests pass without it)."""
     if sync_module_states and device.type == "cpu":
         fsdp_init_utils._check_module_states_for_sync_module_states = lambda states: None
-
-
-def materialize_on(device):
-    """FSDP's param_init_fn for a model built on the meta device (FSDP calls it for no other): each
-    module's own parameters and buffers get (uninitialized) memory on device. Unlike
-    module.to_empty(), a parameter that two modules share (T5's embedding and lm_head) stays one
-    tensor, so the model stays tied; to_empty(recurse=False) on each module would untie them. It
-    reads nn.Module's _parameters and _buffers, as to_empty itself does."""
-    # id of a meta tensor -> weak references to it and to its replacement: FSDP frees a unit's
-    # full parameters once it has sharded them, and this memo must not keep them alive.
-    made = {}
-
-    def param_init_fn(module):
-        for kind, tensors in (("parameters", module._parameters), ("buffers", module._buffers)):
-            for name, tensor in tensors.items():
-                if tensor is None or not tensor.is_meta:
-                    continue
-                refs = made.get(id(tensor))  # the same tensor met in another module: tied
-                replacement = refs[1]() if refs and refs[0]() is tensor else None
-                if replacement is None:
-                    replacement = torch.empty_like(tensor, device=device)
-                    if kind == "parameters":
-                        replacement = nn.Parameter(replacement, tensor.requires_grad)
-                    made[id(tensor)] = (weakref.ref(tensor), weakref.ref(replacement))
-                tensors[name] = replacement
-
-    return param_init_fn
 
 
 def describe_fsdp(model):
@@ -817,6 +962,20 @@ def describe_fsdp(model):
         sizes[key] = sizes.get(key, 0) + 1
     for (kind, total, local), count in sizes.items():
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
+    describe_lora([(flat._unpadded_unsharded_size.numel(), flat.requires_grad, flat.dtype)
+                   for unit in FSDP.fsdp_modules(model) if (flat := unit._flat_param) is not None])
+
+
+def describe_lora(parameters):
+    """With LoRA, how many of the (numel, requires_grad, dtype) parameters train, and the frozen
+    base's dtype; nothing for full fine-tuning."""
+    trained = sum(numel for numel, requires_grad, _ in parameters if requires_grad)
+    total = sum(numel for numel, _, _ in parameters)
+    frozen = {str(dtype).replace("torch.", "") for _, requires_grad, dtype in parameters
+              if not requires_grad}
+    if frozen:
+        rank0_print(f"LoRA: {trained:,} of {total:,} parameters train ({100 * trained / total:.2f}"
+                    f"%), the adapters; the base is frozen, in {', '.join(sorted(frozen))}")
 
 
 def describe_fsdp2(model):
@@ -841,6 +1000,7 @@ def describe_fsdp2(model):
         sizes[key] = sizes.get(key, 0) + 1
     for (kind, total, local), count in sizes.items():
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
+    describe_lora([(p.numel(), p.requires_grad, p.dtype) for p in model.parameters()])
 
 
 def full_model_bytes(model):
@@ -851,9 +1011,10 @@ def full_model_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def report_memory_after_loading(report, model):
-    """Print each rank's peak memory so far: what loading and wrapping the model cost it; return
-    the peaks, for --metrics-json."""
+def report_built(model, report):
+    """Print what FSDP built (describe_fsdp) and each rank's peak memory so far: what loading and
+    wrapping the model cost it; return the peaks, for --metrics-json."""
+    describe_fsdp(model)
     report.memory(model)
     rank0_print("Peak memory per rank after loading the model: "
                 + ", ".join(f"{peak / 2**20:.1f}" for peak in report.peaks) + " MiB")
@@ -896,6 +1057,7 @@ class EpochLog:
             train_batches=len(train_loader), val_batches=len(val_loader or ()),
             peak_memory_after_loading_per_rank=self.loaded,
             checkpoint=f"{best}-hf" if best else None, checkpoint_pt=f"{best}.pt" if best else None,
+            adapter=f"{best}-adapter" if best and state["lora"] else None, lora=state["lora"],
             mixed_precision=mixed_precision, fsdp_version=self.report.args.fsdp_version,
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
                                else self.report.args.sharding_strategy))
@@ -1022,13 +1184,19 @@ def exit_if_plan(args):
     except Exception as e:
         fail(f"--plan: cannot read the config of --model-name {name} ({one_line(e)}); pass a "
              "save_pretrained directory, or a hub id on a machine with network")
+    quiet_known_warnings()
     with torch.device("meta"):  # shapes only: no memory, no weights
         model = T5ForConditionalGeneration(config)
+        if args.lora_rank:  # the same adapters, on the meta device
+            model = add_lora(model, args.lora_rank, alpha=args.lora_alpha,
+                             dropout=args.lora_dropout, targets=args.lora_targets,
+                             base_dtype=BASE_DTYPES[args.base_dtype])
     precision = args.mixed_precision if args.mixed_precision != "auto" else (
         "bf16" if use_cuda else "fp32")
     options = {"strategy": args.sharding_strategy, "batch_size": args.batch_size,
                "input_length": args.input_length, "output_length": args.output_length,
-               "compute_bytes": 2 if precision in ("bf16", "fp16") else 4,
+               "compute_bytes": 2 if "bf16" in (precision, args.base_dtype) or (
+                   precision == "fp16") else 4,
                "activation_checkpointing": args.activation_checkpointing,
                "fsdp_version": args.fsdp_version}
     plan = memory_plan(model, world_size, local_world_size, **options)
@@ -1045,30 +1213,45 @@ def memory_plan(model, world_size, local_world_size, strategy, batch_size, input
                 output_length, compute_bytes, activation_checkpointing, fsdp_version=1):
     """Each rank's memory in bytes, from the model's shapes (on the meta device).
 
-    Training state, exact: FSDP1 flattens each unit's parameters (one unit per T5Block, the rest
-    in the root) and pads the flat parameter to a multiple of the ranks it shards over (all of
-    them, a node's under HYBRID_SHARD, none under NO_SHARD or with one process): fp32 shards of
-    parameters, gradients and AdamW's two moments, and a 4-byte step per unit. FSDP2 shards each
-    parameter along its first dimension (rank 0 holds ceil(rows / ranks) rows) and AdamW keeps a
-    step per parameter. Activations:
+    Training state, exact: FSDP1 flattens each unit's parameters (one unit per T5Block, with LoRA
+    one per adapter too, the rest in the root) and pads the flat parameter to a multiple of the
+    ranks it shards over (all of them, a node's under HYBRID_SHARD, none under NO_SHARD or with one
+    process); FSDP2 shards each parameter along its first dimension (rank 0 holds ceil(rows /
+    ranks) rows). Each rank holds its shards of the parameters in their dtype (a LoRA base's may
+    be bf16) and, of those that train, gradients and AdamW's two moments, and a 4-byte step per
+    flat parameter (FSDP1) or parameter (FSDP2). Activations:
     T5_SAVED's counts for the batch each rank trains (--batch-size is per rank); with
     activation checkpointing, only each block's input (and one block while it is recomputed)."""
     shard = {"NO_SHARD": 1, "HYBRID_SHARD": local_world_size}.get(strategy, world_size)
     blocks = [m for m in model.modules() if isinstance(m, T5Block)]
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    units = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    units.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))  # root
-    local, steps = sum(math.ceil(size / shard) for size in units), len(units)
-    if fsdp_version == 2:
-        parameters = list(model.parameters())  # each once, tied or not
-        local = sum(math.ceil(p.shape[0] / shard) * p[0].numel() for p in parameters)
-        steps = len(parameters)
-    plan = {"world_size": world_size, "parameters": sum(units), "parameter_bytes": 4 * local,
-            "gradient_bytes": 4 * local, "optimizer_bytes": 8 * local + 4 * steps}
+    frozen_base = any(not p.requires_grad for p in model.parameters())  # as wrap_model sees it
+    adapters = [m for m in model.modules()
+                if frozen_base and isinstance(m, nn.Linear) and m.weight.requires_grad]
+    units, seen = [], set()  # FSDP1's: each parameter in the innermost unit that holds it
+    for module in (*adapters, *blocks, model):
+        units.append([p for p in module.parameters() if id(p) not in seen])
+        seen.update(id(p) for p in units[-1])
+    if fsdp_version == 2:  # each parameter once, tied or not, sharded by rows
+        units = [[p] for p in model.parameters()]
+
+    def local(unit):  # a unit's elements on rank 0
+        if fsdp_version == 2:
+            return math.ceil(unit[0].shape[0] / shard) * unit[0][0].numel()
+        return math.ceil(sum(p.numel() for p in unit) / shard)
+
+    units = [unit for unit in units if unit]
+    trained = [unit for unit in units if unit[0].requires_grad]
+    plan = {"world_size": world_size, "parameters": sum(p.numel() for p in model.parameters()),
+            "trained_parameters": sum(p.numel() for unit in trained for p in unit),
+            "parameter_bytes": sum(local(u) * u[0].element_size() for u in units),
+            "gradient_bytes": sum(local(u) * u[0].element_size() for u in trained)}
+    plan["optimizer_bytes"] = 2 * plan["gradient_bytes"] + 4 * len(trained)
     plan["train_state_bytes"] = sum(plan[k] for k in ("parameter_bytes", "gradient_bytes",
                                                        "optimizer_bytes"))
-    gathered = units if strategy != "FULL_SHARD" or shard == 1 else [units[-1], *sorted(
-        units[:-1])[-2:]]  # FULL_SHARD: the root and two blocks (one prefetched) at once
+    block_sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    gathered = [plan["parameters"] - sum(block_sizes), *block_sizes]  # the root's, the blocks'
+    if strategy == "FULL_SHARD" and shard > 1:  # the root and two blocks (one prefetched) at once
+        gathered = [gathered[0], *sorted(block_sizes)[-2:]]
     plan["gathered_bytes"] = compute_bytes * sum(gathered)
     config = model.config
     dim, ff, heads, vocab = config.d_model, config.d_ff, config.num_heads, config.vocab_size
@@ -1109,7 +1292,10 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
     scale, unit = (gib, "GiB") if plan["peak_bytes"] >= gib else (2**20, "MiB")  # for display
     lines = [f"Plan: {plan['parameters']:,} parameters, {options['strategy']} over world size "
              f"{world_size}, batch {options['batch_size']} per rank, per rank, in {unit}:"]
-    rows = [("parameters (fp32 shards)", plan["parameter_bytes"]),
+    if plan["trained_parameters"] < plan["parameters"]:
+        lines.append(f"  LoRA: {plan['trained_parameters']:,} parameters train (the adapters), the "
+                     "base is frozen: no gradients or optimizer state")
+    rows = [("parameters (shards)", plan["parameter_bytes"]),
             ("gradients (fp32 shards)", plan["gradient_bytes"]),
             ("optimizer state (AdamW, fp32)", plan["optimizer_bytes"]),
             ("= training state", plan["train_state_bytes"]),

@@ -378,6 +378,26 @@ def t5_reference(cached_torchrun, tiny_t5_dir, wikihow_dir):
     return result
 
 
+# LoRA (tests/test_lora.py, test_bad_input.py): adapters of rank 8 on q and v, without dropout, on
+# the dropout-free tiny T5 in a global batch of 8 (per rank: 8 / ranks), 2 epochs at --lr 0.002: the
+# same losses at any world size.
+LORA = ["--lora-rank", 8, "--lora-dropout", 0]
+
+
+def lora_args(still_t5_dir, wikihow_dir, ranks, *args):
+    return [*t5_args(still_t5_dir, wikihow_dir, 2), "--lr", 0.002, "--batch-size", 8 // ranks,
+            *LORA, *args]
+
+
+@pytest.fixture(scope="session")
+def lora_reference(cached_torchrun, still_t5_dir, wikihow_dir):
+    """LoRA's reference run: FSDP2 on 2 ranks, with sharded checkpoints and its exports."""
+    result = cached_torchrun("t5_fsdp_finetune.py", *lora_args(
+        still_t5_dir, wikihow_dir, 2, "--fsdp-version", 2, "--checkpoint-type", "sharded"))
+    assert result.returncode == 0, result.output
+    return result
+
+
 def copy_fsdp2_checkpoint(reference, step, dest):
     """A --checkpoint-dir at dest holding `step`'s checkpoint of an fsdp2_transformer.py run."""
     shutil.copytree(reference.cwd / "ckpt" / f"step_{step:06d}", dest / f"step_{step:06d}")

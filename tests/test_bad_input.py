@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import (
     FSDP2_TINY,
+    LORA,
     MNIST_TINY,
     REPO,
     SMOKE,
@@ -161,6 +162,24 @@ CASES = [  # id, script, args, what the error line must say
     ("T5 missing data and model", "t5_fsdp_finetune.py",
      ["--data-dir", "{empty}", "--model-name", "{tmp}/no_model"],
      ["empty/wikihowAll.csv not found", "--model-name", "no_model: no such directory"]),
+    ("T5 LoRA targets that name no module", "t5_fsdp_finetune.py",
+     ["--lora-rank", 8, "--lora-targets", "q,query,v"],
+     ["--lora-targets q,query,v: the model has no Linear module named query",
+      "its Linear modules are named q, k, v, o, wi, wo, lm_head"]),
+    ("T5 base dtype without LoRA", "t5_fsdp_finetune.py", ["--base-dtype", "bf16"],
+     ["--base-dtype bf16 stores the frozen base of LoRA", "add --lora-rank"]),
+    ("T5 LoRA resume with another rank", "t5_fsdp_finetune.py",
+     ["--resume", "{lora_checkpoint}", "--epochs", 2, *LORA, "--lora-rank", 4],
+     ["checkpoint-epoch-1: it was saved by --lora-rank 8 --lora-alpha 16 --lora-dropout 0.0 "
+      "--lora-targets q,v --base-dtype fp32, not --lora-rank 4",
+      "pass the flags it was saved with"]),
+    ("T5 full fine-tuning checkpoint resumed with LoRA", "t5_fsdp_finetune.py",
+     ["--resume", "{t5_checkpoint}", "--epochs", 2, *LORA],
+     ["it was saved by full fine-tuning, not --lora-rank 8"]),
+    ("T5 LoRA resume onto another base", "t5_fsdp_finetune.py",
+     ["--resume", "{lora_checkpoint}", "--epochs", 2, *LORA, "--model-name", "{untied_model}"],
+     ["checkpoint-epoch-1: its adapters were trained on another base model than --model-name",
+      "pass the --model-name it was trained with"]),
 ]
 
 
@@ -180,7 +199,10 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "FSDP2 DCP API without a checkpoint dir", "T5 missing model",
                    "T5 resume auto without sharded checkpoints", "T5 hub model offline",
                    "T5 missing data and model", "T5 missing columns", "T5 header-only CSV",
-                   "T5 directory without a model", "T5 BERT config"}
+                   "T5 directory without a model", "T5 BERT config",
+                   "T5 LoRA targets that name no module", "T5 base dtype without LoRA",
+                   "T5 LoRA resume with another rank",
+                   "T5 full fine-tuning checkpoint resumed with LoRA"}
 # FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn
 PYTHON_LAUNCHED |= {name for name, *_ in CASES
                     if name.startswith("T5 FSDP2 --") and "NO_SHARD" not in name}
@@ -292,6 +314,11 @@ INPUTS = {
     "fsdp2_marker_edited": lambda tmp, f: edited_json(
         copy_fsdp2_checkpoint(f("fsdp2_reference"), 10, tmp / "edited") / "step_000010",
         "COMPLETE", step=7).parent,
+    "t5_checkpoint": lambda tmp, f: shutil.copytree(
+        f("t5_reference").cwd / "checkpoint-epoch-1", tmp / "t5" / "checkpoint-epoch-1"),
+    "lora_checkpoint": lambda tmp, f: shutil.copytree(
+        f("lora_reference").cwd / "checkpoint-epoch-1", tmp / "lora" / "checkpoint-epoch-1"),
+    "untied_model": lambda tmp, f: f("untied_t5_dir"),
     "t5_state_edited": lambda tmp, f: edited_json(
         shutil.copytree(f("t5_reference").cwd / "checkpoint-epoch-1", tmp / "checkpoint-epoch-1"),
         "trainer_state.json", epoch=-1),

@@ -158,21 +158,35 @@ def test_mnist_units_run_copied_alone(tmp_path, script, wrap, save):
 T5_DRIVER = job("""
 device = torch.device("cpu")
 model_dir, data_dir, out = sys.argv[1:4]
-version, broadcast = int(sys.argv[4]), sys.argv[5] == "1"  # broadcast: FSDP2's, from rank 0
-model, tokenizer = load_model_and_tokenizer(model_dir, on_meta=broadcast and rank > 0)
+version, broadcast, lora = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
+if version == 1 and broadcast:  # the script's workaround (a safeguard): FSDP1 refuses CPU tensors
+    torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states = (
+        lambda states: None)
+
+
+def loaded(on_meta=False):
+    model, tokenizer = load_model_and_tokenizer(model_dir, on_meta=on_meta)
+    if lora:
+        model = add_lora(model, 4, alpha=8, dropout=0.0, targets=["q", "v"],
+                         base_dtype=torch.float32)
+    return model, tokenizer
+
+
+model, tokenizer = loaded(on_meta=broadcast and rank > 0)  # broadcast: weights from rank 0
 tied = model.lm_head.weight is model.shared.weight
 train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
-loader = DataLoader(train_set, batch_size=4, sampler=DistributedSampler(train_set, seed=0))
-val_loader = DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))
+loader = rank_loader(train_set, 4, device, shuffle=True)
+val_loader = rank_loader(val_set, 4, device)
+mesh = device_mesh(device, hybrid=False)
 
 
 def sharded(model, broadcast=False):
     if version == 1:
-        return wrap_model(model, device, sharding_strategy="FULL_SHARD",
-                          mixed_precision=POLICIES[mixed_precision_choice("fp32", device)],
-                          backward_prefetch="BACKWARD_PRE", limit_all_gathers=True,
-                          activation_checkpointing=True)
-    return shard_model(model, device, sharding_strategy="FULL_SHARD",
+        return wrap_model(model, mesh, device, sharding_strategy="FULL_SHARD",
+                          mixed_precision=POLICIES["fp32"], backward_prefetch="BACKWARD_PRE",
+                          limit_all_gathers=True, activation_checkpointing=True,
+                          sync_module_states=broadcast)
+    return shard_model(model, mesh, device, sharding_strategy="FULL_SHARD",
                        mp_policy=POLICIES_FSDP2["fp32"], activation_checkpointing=True,
                        broadcast_from_rank0=broadcast)
 
@@ -180,7 +194,7 @@ def sharded(model, broadcast=False):
 model = sharded(model, broadcast)
 if version == 2:  # FSDP2 keeps the modules: materialized and loaded, the head is still tied
     assert (model.lm_head.weight is model.shared.weight) == tied
-optimizer = optim.AdamW(model.parameters(), lr=0.002)
+optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.002)
 scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
 loss = train(model, loader, optimizer, None, epoch=1, device=device)
 val_loss = validation(model, val_loader, device)
@@ -191,6 +205,7 @@ export_model(model, tokenizer, out + "/best", cpu_offload=False)
 batch = next(iter(val_loader))
 inputs = {"input_ids": batch["source_ids"], "attention_mask": batch["source_mask"],
           "labels": batch["target_ids"], "use_cache": False}
+model.eval()  # no dropout: the same logits as the exports'
 with torch.no_grad():
     logits = model(**inputs).logits  # FSDP gathers the parameters for this forward
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -198,41 +213,52 @@ full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True
 if rank == 0:
     opened = T5ForConditionalGeneration.from_pretrained(out + "/best-hf").eval()
     assert (opened.lm_head.weight is opened.shared.weight) == tied
-    assert all(torch.equal(opened.state_dict()[key], value) for key, value in full.items())
+    if not lora:  # with LoRA, the merged model: the adapters' products in the weights
+        assert all(torch.equal(opened.state_dict()[key], value) for key, value in full.items())
     with torch.no_grad():
-        assert torch.allclose(opened(**inputs).logits, logits, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(opened(**inputs).logits, logits, rtol=1e-5, atol=1e-5)
+    if lora:  # the adapters on the pretrained model, as PEFT opens them
+        from peft import PeftModel
+        base = T5ForConditionalGeneration.from_pretrained(model_dir)
+        adapted = PeftModel.from_pretrained(base, out + "/best-adapter").eval()
+        with torch.no_grad():
+            assert torch.allclose(adapted(**inputs).logits, logits, rtol=1e-5, atol=1e-5)
     T5Tokenizer.from_pretrained(out + "/best-hf")
 state = {"epoch": 1, "scheduler": scheduler.state_dict()}
 save_sharded_checkpoint(model, optimizer, state, out + "/checkpoint-epoch-1")  # ends in a barrier
-fresh = sharded(load_model_and_tokenizer(model_dir)[0])
-fresh_optimizer = optim.AdamW(fresh.parameters(), lr=0.002)
+fresh = sharded(loaded()[0])
+fresh_optimizer = optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=0.002)
 fresh_scheduler = StepLR(fresh_optimizer, step_size=1, gamma=0.7)
-loaded = load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer,
-                                 fresh_scheduler, None)
+loaded_state = load_sharded_checkpoint(out + "/checkpoint-epoch-1", fresh, fresh_optimizer,
+                                       fresh_scheduler, None)
 again = get_model_state_dict(fresh, options=StateDictOptions(full_state_dict=True,
                                                              cpu_offload=False))
-assert loaded["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+assert loaded_state["epoch"] == 1 and fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
 assert all(torch.equal(again[key], value) for key, value in full.items())
 rank0_print("copied units: train, validation, export (same logits) and round trip ok")
 """)
-T5_UNITS = ["load_model_and_tokenizer", "load_data", "train", "validation", "export_model",
-            "save_sharded_checkpoint", "load_sharded_checkpoint"]
+T5_UNITS = ["load_model_and_tokenizer", "add_lora", "load_data", "rank_loader", "device_mesh",
+            "train", "validation", "export_model", "save_sharded_checkpoint",
+            "load_sharded_checkpoint"]
 
 
 @pytest.mark.parametrize("version, model", [
-    (1, "tied"), (2, "tied, weights from rank 0"), (2, "untied")])
+    (1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"), (2, "untied, LoRA")])
 def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, version,
                                    model):
     """wrap_model (FSDP1) or shard_model (FSDP2) copied alone with the units around them: a tied
-    T5 (t5-small style; under FSDP2 only rank 0 loads its weights) and an untied one (flan-t5
-    style). The export opens with from_pretrained, and its logits equal the sharded model's."""
+    T5 (t5-small style) whose weights only rank 0 loads (FSDP1: materialize_on and
+    sync_module_states; FSDP2: broadcast), and an untied one (flan-t5 style); with LoRA adapters
+    (add_lora) on two of them. The exports open with from_pretrained (and PEFT's adapters with
+    PeftModel.from_pretrained), and their logits equal the sharded model's; the sharded
+    checkpoint (with LoRA, of the adapters alone) round-trips into a freshly loaded model."""
     shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
-    units = T5_UNITS + (["wrap_model", "mixed_precision_choice", "POLICIES"] if version == 1
+    units = T5_UNITS + (["wrap_model", "POLICIES"] if version == 1
                         else ["shard_model", "POLICIES_FSDP2"])
     tied = model.startswith("tied")
     run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER,
                    tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, version,
-                   int(version == 2 and tied))
+                   int("rank 0" in model), int("LoRA" in model))
     assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
     assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
 

@@ -28,7 +28,11 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # the background writer's process, its shared-memory staging and the optimizer-step hook that
 # waits for the copy (18); and start_writers (17), which starts the writer processes before
 # training rather than during the first save, which their start paused (benchmarks/README.md).
-BUDGETS = {"fsdp2_transformer.py": 515, "t5_fsdp_finetune.py": 460, "fsdp1_mnist.py": 250,
+# T5's is 60 above its 460 (issue 41): LoRA (add_lora, the adapters' FSDP1 units, exports of the
+# adapters and of the merged model, checkpoints of what trains, 5 flags), the mesh that main passes
+# (device_mesh), FSDP1's meta-device param_init_fn (materialize_on, from the safeguards) and the
+# loaders (rank_loader), which keep main as short as before LoRA.
+BUDGETS = {"fsdp2_transformer.py": 515, "t5_fsdp_finetune.py": 520, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
@@ -42,10 +46,11 @@ ESSENTIAL = {
         "torch.optim.AdamW(", "checkpoint(", ".compile(", "AsyncCheckpointerType.PROCESS",
         "StagingOptions(", ".register_step_pre_hook("],
     "t5_fsdp_finetune.py": [
-        "FSDP(", "transformer_auto_wrap_policy", "MixedPrecision(", "ShardedGradScaler(",
+        "FSDP(", "CustomPolicy(", "MixedPrecision(", "ShardedGradScaler(",
         "apply_activation_checkpointing(", "BackwardPrefetch", "ShardingStrategy",
         "get_model_state_dict(", "dcp.save(", "dcp.load(", "DistributedSampler(",
-        "optim.AdamW(", "StepLR("],
+        "optim.AdamW(", "StepLR(", "fully_shard(", "init_device_mesh(", "LoraConfig(",
+        "get_peft_model(", ".merge_and_unload(", "set_state_dict("],
     "fsdp1_mnist.py": [
         "FSDP(", "size_based_auto_wrap_policy", "ShardingStrategy", "BackwardPrefetch",
         "CPUOffload(", "get_model_state_dict(", "DistributedSampler(", "optim.Adadelta(",

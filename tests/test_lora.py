@@ -1,0 +1,219 @@
+"""t5_fsdp_finetune.py --lora-rank: LoRA adapters (PEFT) on the frozen tiny T5, under FSDP2 and
+FSDP1, on CPU (gloo). The runs use the dropout-free T5 and adapters without dropout, in the same
+global batch at every world size (conftest.lora_args): every layout gives the same losses."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import (
+    REPO,
+    T5_INPUT_LENGTH,
+    T5_OUTPUT_LENGTH,
+    T5_VAL_SAMPLES,
+    full_state_of,
+    lora_args,
+    plan_of,
+    warning_lines,
+)
+
+SCRIPT = "t5_fsdp_finetune.py"
+BASE = "base_model.model."  # the prefix of the base model's names in a PeftModel's state dict
+
+
+@pytest.fixture
+def lora_run(cached_torchrun, still_t5_dir, wikihow_dir):
+    """lora_run(ranks, *args): a cached LoRA run on `ranks` ranks (FSDP1 unless args say 2)."""
+
+    def run(ranks, *args):
+        result = cached_torchrun(SCRIPT, *lora_args(still_t5_dir, wikihow_dir, ranks, *args),
+                                 nproc=ranks)
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
+# The runs besides the reference (FSDP2, 2 ranks, fp32 base, sharded checkpoints and exports):
+# FSDP1 on 2 ranks (its exports too), FSDP1 on one process (NO_SHARD), and a bf16 base under each
+# version, with the options that must keep working beside LoRA.
+FSDP1 = []
+ONE_PROCESS = ["--no-save-model"]
+BF16_FSDP2 = ["--fsdp-version", 2, "--base-dtype", "bf16", "--cpu-ram-efficient-loading",
+              "--activation-checkpointing"]
+BF16_FSDP1 = ["--base-dtype", "bf16", "--mixed-precision", "bf16", "--sharding-strategy",
+              "SHARD_GRAD_OP", "--no-save-model"]
+
+
+def adapters_and_base(still_t5_dir):
+    """(parameters of the frozen base, of the adapters, adapter tensors) of the tiny T5 with
+    LoRA rank 8 on q and v: two matrices, rank x in and out x rank, beside every q and v."""
+    from transformers import T5ForConditionalGeneration
+
+    model = T5ForConditionalGeneration.from_pretrained(still_t5_dir)
+    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in ("q", "v")]
+    adapters = sum(8 * (m.in_features + m.out_features) for m in targets)
+    return sum(p.numel() for p in model.parameters()), adapters, 2 * len(targets)
+
+
+def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lora_run,
+                                                             still_t5_dir):
+    """FSDP2 and FSDP1 on 2 ranks and FSDP1 on one process (NO_SHARD) train the same adapters:
+    every epoch's train and validation loss within 1e-5 of one process's, falling, no warning;
+    each says how many parameters train."""
+    runs = {"FSDP2": lora_reference, "FSDP1": lora_run(2, *FSDP1),
+            "one process": lora_run(1, *ONE_PROCESS)}
+    base, adapters, _ = adapters_and_base(still_t5_dir)
+    one = runs["one process"].metrics
+    for name, run in runs.items():
+        assert warning_lines(run.output) == [], name
+        assert (f"LoRA: {adapters:,} of {base + adapters:,} parameters train "
+                f"({100 * adapters / (base + adapters):.2f}%), the adapters; the base is frozen, "
+                "in float32") in run.stdout.splitlines(), run.stdout
+        for key in ("train_losses", "val_losses"):
+            assert run.metrics[key] == pytest.approx(one[key], rel=1e-5), (name, key)
+    assert one["val_losses"][1] < one["val_losses"][0]
+    assert (runs["FSDP2"].metrics["fsdp_version"], runs["FSDP1"].metrics["fsdp_version"]) == (2, 1)
+
+
+def test_only_the_adapters_train(lora_reference, still_t5_dir):
+    """The trained model's full state dict (the .pt export): every base weight is bit-identical to
+    the pretrained one, and every adapter's B matrix, which PEFT starts at zero, has moved."""
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    pretrained = T5ForConditionalGeneration.from_pretrained(still_t5_dir).state_dict()
+    trained = torch.load(lora_reference.metrics["checkpoint_pt"], weights_only=True)
+    base = {k.removeprefix(BASE).replace(".base_layer.", "."): v for k, v in trained.items()
+            if "lora_" not in k}
+    assert base.keys() == pretrained.keys()
+    assert [k for k, v in base.items() if not torch.equal(v, pretrained[k])] == []
+    lora_b = [v for k, v in trained.items() if "lora_B" in k]
+    assert len(lora_b) == 12 and all(v.abs().max() > 0 for v in lora_b)  # 12 q and v
+
+
+# Opens a run's exports as a user would and computes the validation loss the run logged.
+EVALUATE = """
+import json, sys, torch
+import torch.nn.functional as F
+from peft import PeftModel
+from transformers import T5ForConditionalGeneration, T5Tokenizer
+sys.path.insert(0, sys.argv[1])
+from summarization_dataset import wikihow
+base_dir, data_dir, lengths, exports = sys.argv[2], sys.argv[3], sys.argv[4:7], sys.argv[7:]
+val = wikihow(T5Tokenizer.from_pretrained(base_dir), "validation", *map(int, lengths),
+              data_dir=data_dir)
+
+def loss(model):
+    with torch.no_grad():
+        logits = model.eval()(input_ids=val.source_ids, attention_mask=val.source_mask,
+                              labels=val.target_ids).logits
+    token_losses = F.cross_entropy(logits.float().transpose(1, 2), val.target_ids,
+                                   reduction="none")
+    return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
+
+results = []
+for merged, adapter in zip(exports[::2], exports[1::2]):
+    opened = T5ForConditionalGeneration.from_pretrained(merged)
+    base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)  # as trained
+    results.append({"merged": loss(opened), "dtype": str(opened.dtype),
+                    "adapter": loss(PeftModel.from_pretrained(base, adapter))})
+print(json.dumps(results))
+"""
+
+
+def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t5_dir,
+                                               wikihow_dir):
+    """Each run's best model, exported both ways: the PEFT adapter directory
+    (adapter_config.json, adapter_model.safetensors) that PeftModel.from_pretrained puts on the
+    pretrained model, and the merged HF directory that from_pretrained opens without PEFT; both
+    give the logged validation loss (within 1e-4; with a bf16 base, in bf16, 1e-3)."""
+    runs = [lora_reference, lora_run(2, *FSDP1), lora_run(2, *BF16_FSDP2)]
+    exports = [path for run in runs for path in (run.metrics["checkpoint"],
+                                                 run.metrics["adapter"])]
+    command = [EVALUATE, REPO, still_t5_dir, wikihow_dir, T5_VAL_SAMPLES, T5_INPUT_LENGTH,
+               T5_OUTPUT_LENGTH, *exports]
+    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    for run, result in zip(runs, json.loads(proc.stdout)):
+        bf16 = run.metrics["lora"]["base_dtype"] == "bf16"
+        assert result["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32"), result
+        for export in ("adapter", "merged"):
+            assert result[export] == pytest.approx(run.metrics["val_loss"],
+                                                   abs=1e-3 if bf16 else 1e-4), result
+        adapter = run.metrics["adapter"]
+        with open(f"{adapter}/adapter_config.json") as f:
+            config = json.load(f)
+        assert config["r"] == 8 and sorted(config["target_modules"]) == ["q", "v"]
+        assert config["base_model_name_or_path"] == str(still_t5_dir)
+        with open(f"{adapter}/adapter_model.safetensors", "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        assert len([k for k in header if k != "__metadata__"]) == 24  # A and B of 12 Linears
+
+
+@pytest.mark.parametrize("options, plan_flags", [
+    ([], ["--fsdp-version", 2]), (FSDP1, []),
+    (BF16_FSDP2, ["--fsdp-version", 2, "--base-dtype", "bf16"]), (BF16_FSDP1, BF16_FSDP1[:2])],
+    ids=["FSDP2", "FSDP1", "FSDP2 bf16 base", "FSDP1 bf16 base"])
+def test_training_state_is_the_adapters_and_the_sharded_base(lora_reference, lora_run,
+                                                             still_t5_dir, tmp_path, options,
+                                                             plan_flags):
+    """Measured after training, each rank holds half of the frozen base (in its dtype, without
+    gradients or optimizer state) and half of the adapters with their gradients and AdamW's two
+    moments (fp32), plus AdamW's 4-byte step per adapter tensor: to the byte (the tiny T5's sizes
+    are even). --plan predicts the same from config.json alone."""
+    run = lora_reference if not options else lora_run(2, *options)
+    base, adapters, tensors = adapters_and_base(still_t5_dir)
+    base_bytes = 2 if "bf16" in options else 4
+    expected = (base * base_bytes + adapters * (4 + 4 + 8)) // 2 + 4 * tensors
+    assert run.metrics["train_state_bytes"] == expected
+    plan = plan_of(SCRIPT, tmp_path, "--model-name", still_t5_dir, "--world-size", 2,
+                   "--lora-rank", 8, *plan_flags)
+    assert plan["train_state_bytes"] == expected
+    assert plan["trained_parameters"] == adapters
+    if "bf16" in options:  # computed in bf16: near the fp32 base's losses, but not the same
+        fp32 = lora_reference.metrics["val_losses"]
+        assert run.metrics["val_losses"] == pytest.approx(fp32, rel=1e-2)
+        assert run.metrics["val_losses"] != pytest.approx(fp32, rel=1e-6)
+        assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
+        assert "the base is frozen, in bfloat16" in run.stdout
+
+
+def tensor_bytes(checkpoint):
+    """The bytes of the tensors a DCP checkpoint holds, read from its metadata (its files add a
+    header per tensor, which outweighs the tiny model's adapters)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in metadata.values()
+               if hasattr(m, "size"))
+
+
+def test_resumable_checkpoints_hold_the_adapters_alone(lora_reference, t5_reference, torchrun,
+                                                       still_t5_dir, wikihow_dir, tmp_path):
+    """The epoch-1 checkpoint holds the adapters and their AdamW state, not the frozen base (nor
+    its tied embedding under other names): to the byte, 0.13 of a full fine-tuning checkpoint of
+    the same model (the rank-8 adapters of this tiny T5 are an eighth of its size). Resumed on one
+    process by FSDP1, epoch 2 gives the uninterrupted 2-rank FSDP2 run's losses within 1e-5."""
+    checkpoint = lora_reference.cwd / "checkpoint-epoch-1"
+    tensors = full_state_of(checkpoint)
+    assert tensors and all("lora_" in name for name in tensors), sorted(tensors)
+    _, adapters, adapter_tensors = adapters_and_base(still_t5_dir)
+    size = tensor_bytes(checkpoint)
+    assert size == 3 * 4 * adapters + 4 * adapter_tensors  # weights, 2 moments, steps (fp32)
+    assert size < 0.14 * tensor_bytes(t5_reference.cwd / "checkpoint-epoch-1")
+    with open(checkpoint / "trainer_state.json") as f:
+        saved = json.load(f)
+    assert saved["lora"] == {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q", "v"],
+                             "base_dtype": "fp32"} and isinstance(saved["base"], float)
+    shutil.copytree(checkpoint, tmp_path / "ckpt" / "checkpoint-epoch-1")
+    run = torchrun(SCRIPT, *lora_args(still_t5_dir, wikihow_dir, 1, "--checkpoint-type",
+                                      "sharded"), "--resume", "auto", "--save-dir", "ckpt",
+                   nproc=1)
+    assert run.returncode == 0, run.output
+    assert "(epoch 1 done)" in run.stdout and warning_lines(run.output) == []
+    for key in ("train_losses", "val_losses"):
+        assert run.metrics[key] == pytest.approx(lora_reference.metrics[key], rel=1e-5)
