@@ -15,6 +15,7 @@ Each of these runs when copied alone with the imports below (and rank0_print, fr
 CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
 every world size. Below the lesson: Safeguards, which main applies around it, and Plumbing.
 """
+import contextlib
 import functools
 import glob
 import json
@@ -38,8 +39,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -64,17 +78,18 @@ def init_(param, fill):
 class Attention(nn.Module):
     def __init__(self, dim, n_heads):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
         # No bias: a key bias cannot change softmax attention; Adam would update it from noise.
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        # Three linears, not one: tensor parallel splits each by heads (a fused one, by q/k/v).
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
-        batch, seq, dim = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        batch, seq, _ = x.shape  # -1: this rank's heads (all of them without tensor parallel)
+        q, k, v = (linear(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for linear in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # t sees positions <= t only
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -151,28 +166,46 @@ def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step):
     return tokens.clone()  # only these rows travel from the worker
 
 
+# ------------------------------------------------------------------------------- tensor parallel
+def tensor_parallel_plan():
+    """parallelize_module's plan for Transformer (Megatron-LM's, with sequence parallel). In each
+    block q, k, v and the MLP's first linear are split by output (colwise: a rank computes
+    n_heads / T heads, 4 x dim / T hidden units), proj and the MLP's second linear by input
+    (rowwise: their outputs are summed and scattered along the sequence); the norms and the
+    residual stream hold seq_len / T positions per rank (sequence parallel), all-gathered before
+    attention and the MLP. The embeddings are split by rows, the output head by vocabulary,
+    whose sharded logits loss_parallel turns into the loss (no rank holds all of them)."""
+    whole_sequence = PrepareModuleInput(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),))
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "layers.*.attention_norm": SequenceParallel(), "layers.*.mlp_norm": SequenceParallel(),
+            "layers.*.attention": whole_sequence, "layers.*.mlp": whole_sequence,
+            **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+            "layers.*.attention.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.mlp.0": ColwiseParallel(),
+            "layers.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)}
+
+
 # ----------------------------------------------------------------------------------------- FSDP2
-def shard_model(config, device, mesh, *, reshard_after_forward=True, mixed_precision=False,
-                cpu_offload=False, compile=False, activation_checkpointing=False, prefetch=0):
-    """Build on the meta device (no memory), fully_shard each block and then the root, then
-    materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a 2-D
-    mesh fully_shard does HSDP: shards along the second dimension, replicates along the first.
-    prefetch > 0: explicit prefetching of that many blocks, not the implicit one block ahead."""
-    with torch.device("meta"):
-        model = Transformer(**config)
-    model.activation_checkpointing = activation_checkpointing
-    fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mixed_precision:  # compute in bf16, reduce gradients in fp32
-        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                        reduce_dtype=torch.float32)
-    if cpu_offload:  # shards, gradients and the optimizer step in host memory
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+def shard_model(model, device, mesh, *, tp_plan=None, mp_policy=MixedPrecisionPolicy(),
+                offload_policy=OffloadPolicy(), reshard_after_forward=True, prefetch=0):
+    """Shard a model built on the meta device: with tp_plan, tensor parallel over the mesh's "tp"
+    dimension first; then fully_shard each block and the root over the other dimensions (one:
+    FSDP; "replicate" and "shard": HSDP). Then materialize this rank's shards (to_empty) and
+    initialize them (reset_parameters). mp_policy, offload_policy: fully_shard's. prefetch > 0:
+    explicit prefetching of that many blocks, not the implicit one block ahead."""
+    if tp_plan:
+        parallelize_module(model, mesh["tp"], tp_plan)
+        mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name != "tp")]
     for layer in model.layers:  # each block: one all-gather in forward, one reduce-scatter after
-        if compile:  # in place, before fully_shard, as torchtitan does: the names stay
-            layer.compile(fullgraph=True)
-        fully_shard(layer, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm and output
-    model.to_empty(device="cpu" if cpu_offload else device)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,  # the root:
+                mp_policy=mp_policy, offload_policy=offload_policy)  # embeddings, norm, output
+    model.to_empty(device="cpu" if isinstance(offload_policy, CPUOffloadPolicy) else device)
     model.reset_parameters()
     blocks = list(model.layers)
     for i, block in enumerate(blocks if prefetch else []):
@@ -195,10 +228,13 @@ def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
         logits = model(micro[:, :-1])
         # Scaled so that the accumulated gradient is that of the mean over all micro-batches;
         # FSDP2 then averages over the ranks: the gradient of the global batch's mean loss.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
-            micro_batches)
-        loss.backward()
-        loss_sum += loss.detach()
+        # Tensor parallel: logits sharded over the vocabulary (a DTensor), and the loss of them.
+        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
+                micro_batches)
+            loss.backward()
+        loss = loss.detach()  # as a DTensor, replicated: each rank of a TP group holds it
+        loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
     # The norm of DTensor gradients is the norm of the whole (unsharded) gradient; inf: no clip.
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
     optimizer.step()
@@ -396,22 +432,34 @@ def main(args, device):
     check_checkpoint_dir(args)  # writable, locked, and --no-resume / --overwrite
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
-    # 1. The device mesh: 1-D for FSDP; 2-D for HSDP, R replicas each sharded over world size / R.
-    if args.replicate_degree == 1:
-        mesh = init_device_mesh(device.type, (world_size,))
-    else:
-        mesh = init_device_mesh(device.type, (args.replicate_degree,
-                                              world_size // args.replicate_degree),
-                                mesh_dim_names=("replicate", "shard"))
+    # 1. The device mesh: FSDP shards over "dp"; HSDP (--replicate-degree R) replicates over
+    #    "replicate" and shards over "shard"; tensor parallel (--tp-degree T) splits each layer over
+    #    "tp", innermost: T neighbouring ranks, on one node (tp rank = rank % T).
+    dp_size, tp = world_size // args.tp_degree, args.tp_degree
+    shape, names = (dp_size,), ("dp",)
+    if args.replicate_degree > 1:
+        shape, names = (args.replicate_degree, dp_size // args.replicate_degree), ("replicate",
+                                                                                 "shard")
+    if tp > 1:
+        shape, names = (*shape, tp), (*names, "tp")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
 
-    # 2. The model: built on the meta device, sharded, then materialized and initialized.
+    # 2. The model: built on the meta device (no memory), with activation checkpointing and
+    #    torch.compile per block (in place, as torchtitan does: the names stay), then sharded,
+    #    materialized and initialized.
     config = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
                   n_heads=args.n_heads, seq_len=args.seq_len)
-    model = shard_model(config, device, mesh,
+    with torch.device("meta"):
+        model = Transformer(**config)
+    model.activation_checkpointing = args.activation_checkpointing
+    for layer in model.layers if args.compile else []:
+        layer.compile(fullgraph=True)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_model(model, device, mesh,
+                        tp_plan=tensor_parallel_plan() if tp > 1 else None,
+                        mp_policy=bf16 if args.mixed_precision else MixedPrecisionPolicy(),
+                        offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
                         reshard_after_forward=not args.no_reshard_after_forward,
-                        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
-                        compile=args.compile,
-                        activation_checkpointing=args.activation_checkpointing,
                         prefetch=args.prefetch_depth if args.explicit_prefetching else 0)
     agree_on_error(check_sharding(model, args.mixed_precision))  # stop if it is not as expected
     describe_fsdp(model)
@@ -434,7 +482,8 @@ def main(args, device):
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed, rank, world_size)
+                                   args.batch_size, args.seq_len, args.seed,
+                                   rank // tp, dp_size)  # a TP group: the same rows
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
@@ -488,7 +537,11 @@ def parse_args(argv=None):
         help="keep parameters gathered from forward to backward (FSDP1's SHARD_GRAD_OP, ZeRO-2)")
     add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
     add("--replicate-degree", type=positive(int), default=1, metavar="R", help="HSDP: R replicas, "
-        "each sharded over world size / R ranks (--parallelism.data_parallel_replicate_degree)")
+        "each sharded over world size / (R x T) ranks "
+        "(--parallelism.data_parallel_replicate_degree)")
+    add("--tp-degree", type=positive(int), default=1, metavar="T", help="tensor parallel: each "
+        "layer split over T ranks of a node, the batch over world size / T "
+        "(--parallelism.tensor_parallel_degree)")
     add("--activation-checkpointing", action="store_true", help="recompute each block's "
         "activations in backward (activation checkpointing mode full)")
     add("--compile", action="store_true", help="torch.compile each block before sharding it "
@@ -520,7 +573,6 @@ def parse_args(argv=None):
 # ==================================================================================================
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
 import argparse
-import contextlib
 import datetime
 import errno
 import fcntl
@@ -546,7 +598,6 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Replicate, Shard
 
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
 DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
@@ -596,9 +647,7 @@ def check_flags(args, device, world_size):
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
              "or run on a GPU without --cpu).")
-    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
-                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
-                           replicate_degree=args.replicate_degree)
+    problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(problem)
     if args.async_checkpoint and args.checkpoint_format != "sharded":
@@ -625,18 +674,37 @@ def check_flags(args, device, world_size):
                  "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
 
 
-def size_problem(dim, n_heads, batch_size, grad_accum_steps, world_size, replicate_degree):
-    """Why these sizes cannot train at this world size, or None (check_flags, and --plan)."""
-    if dim % n_heads:
-        return (f"--dim {dim} is not divisible by --n-heads {n_heads}: each head gets dim / "
+def check_sizes(args, world_size, ranks_per_node):
+    """Why these sizes and degrees cannot train at this world size, or None (check_flags, and
+    --plan). ranks_per_node: the processes of one node (torchrun's --nproc_per_node)."""
+    tp, replicas, heads = args.tp_degree, args.replicate_degree, args.n_heads
+    if args.dim % heads:
+        return (f"--dim {args.dim} is not divisible by --n-heads {heads}: each head gets dim / "
                 "n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
-    if batch_size % (world_size * grad_accum_steps):
-        return (f"--batch-size {batch_size} (the global batch) is not divisible by world size "
-                f"{world_size} x --grad-accum-steps {grad_accum_steps}; use a multiple of "
-                f"{world_size * grad_accum_steps}.")
-    if world_size % replicate_degree:
-        return (f"--replicate-degree {replicate_degree} does not divide the world size "
-                f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    if world_size % tp or ranks_per_node % tp:
+        return (f"--tp-degree {tp} does not divide the world size {world_size} and the "
+                f"{ranks_per_node} processes per node: the T ranks of a tensor parallel group "
+                "sit on one node, whose links carry their collectives in every layer; use a "
+                f"divisor of {math.gcd(world_size, ranks_per_node)}.")
+    for flag, size, part in (("--n-heads", heads, "heads (and dim / T channels of q, k, v; "
+                              "4 x dim / T of the MLP)"),
+                             ("--seq-len", args.seq_len, "positions of the residual stream "
+                              "(sequence parallel)"),
+                             ("--vocab-size", args.vocab_size, "rows of the embedding and the "
+                              "output head")):
+        if size % tp:
+            return (f"{flag} {size} is not divisible by --tp-degree {tp}: each tensor parallel "
+                    f"rank holds {flag[2:].replace('-', ' ')} / T {part}; pick a multiple of "
+                    f"{tp}.")
+    dp = world_size // tp  # the data-parallel ranks: each reads its rows of the global batch
+    ranks = f"world size {world_size}" + (f" / --tp-degree {tp}" if tp > 1 else "")
+    if args.batch_size % (dp * args.grad_accum_steps):
+        return (f"--batch-size {args.batch_size} (the global batch) is not divisible by {ranks} x "
+                f"--grad-accum-steps {args.grad_accum_steps}; use a multiple of "
+                f"{dp * args.grad_accum_steps}.")
+    if dp % replicas:
+        return (f"--replicate-degree {replicas} does not divide the {ranks}: HSDP needs replicas "
+                f"of {ranks} / R ranks each.")
     return None
 
 
@@ -660,23 +728,38 @@ def describe_fsdp(model):
 
 
 def check_sharding(model, mixed_precision):
-    """What fully_shard built, checked with public calls: every parameter a float32 DTensor sharded
-    Shard(0) (HSDP: replicated over mesh dimension 0), unsharded to bf16 under mixed precision.
-    Prints it, or returns what is wrong."""
-    params = list(model.parameters())
-    mesh = params[0].device_mesh
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
-               for p in params):
-        return f"fully_shard did not turn every parameter into a float32 DTensor {placements}"
-    ranks = [f"{n} rank{'s' * (n != 1)}" for n in mesh.shape]
-    if mesh.ndim == 1:
-        layout = f"sharded Shard(0) over {ranks[0]}"
-    else:
-        layout = f"replicated over {ranks[0]} and sharded Shard(0) over {ranks[1]} (HSDP)"
-    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
-                f"float32 DTensors {layout}; rank 0 holds "
-                f"{sum(p.to_local().numel() for p in params):,} values")
+    """What fully_shard (and parallelize_module) built, checked with public calls: every parameter
+    a float32 DTensor of the whole mesh, sharded along dim 0 over "dp" (HSDP: replicated over
+    "replicate", sharded over "shard"); with tensor parallel, the weight of every linear and
+    embedding split over "tp" and the rest replicated or split there as the plan says (norms
+    replicated); unsharded to bf16 under mixed precision. Prints it, or returns what is wrong."""
+    params = dict(model.named_parameters())
+    mesh = next(iter(params.values())).device_mesh
+    split = {f"{name}.weight" for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, nn.Embedding))}
+    norms = {f"{name}.{kind}" for name, module in model.named_modules()
+             if isinstance(module, nn.LayerNorm) for kind in ("weight", "bias")}
+    for name, p in params.items():
+        if not (isinstance(p, DTensor) and p.dtype == torch.float32 and p.device_mesh == mesh):
+            return f"{name} is not a float32 DTensor of the {mesh.mesh_dim_names} mesh"
+        for dim, placement in zip(mesh.mesh_dim_names, p.placements):
+            sharded = getattr(placement, "dim", None) is not None  # Shard, or FSDP2's on TP's
+            if dim == "tp" and name in split | norms and sharded != (name in split):
+                return f"{name} is {'' if sharded else 'not '}split over the tp mesh dimension"
+            if dim != "tp" and (not placement.is_replicate() if dim == "replicate"
+                                else getattr(placement, "dim", None) != 0):
+                return f"{name} is {placement} over mesh dimension {dim}, not as FSDP2 shards"
+    ranks = {dim: f"{n} rank{'s' * (n != 1)}" for dim, n in zip(mesh.mesh_dim_names, mesh.shape)}
+    layout = f"sharded Shard(0) over {ranks.get('dp') or ranks['shard']}"
+    if "replicate" in ranks:
+        layout = f"replicated over {ranks['replicate']} and {layout} (HSDP)"
+    if "tp" in ranks:
+        tp_split = sum(getattr(p.placements[-1], "dim", None) is not None for p in params.values())
+        layout += (f", tensor parallel over {ranks['tp']} ({tp_split} split, "
+                   f"{len(params) - tp_split} replicated)")
+    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params.values()):,} "
+                f"values) are float32 DTensors {layout}; rank 0 holds "
+                f"{sum(p.to_local().numel() for p in params.values()):,} values")
     if mixed_precision:
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
@@ -1200,9 +1283,7 @@ def exit_if_plan(args):
                "reshard_after_forward": not args.no_reshard_after_forward,
                "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
                "activation_checkpointing": args.activation_checkpointing}
-    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
-                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
-                           replicate_degree=args.replicate_degree)
+    problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(f"--plan: {problem}")
     with torch.device("meta"):  # shapes only: no memory, no weights
