@@ -576,6 +576,7 @@ import argparse
 import datetime
 import errno
 import fcntl
+import fnmatch
 import gc
 import logging
 import multiprocessing.connection
@@ -620,6 +621,17 @@ logging.getLogger().addFilter(
     lambda record: not record.pathname.endswith("checkpoint/_async_process_executor.py"))
 
 
+# Workaround: DTensor (torch 2.11 to 2.15) logs a warning on every rank, once, where it runs two
+# collectives over two mesh dimensions instead of one: the gradient norm's all-reduce over "dp"
+# (or "shard") and "tp" in every step's clip_grad_norm_, and at a full checkpoint the all-gathers
+# of a parameter that FSDP2 shards along the dim tensor parallel splits too (_StridedShard: "tp"
+# first, then "dp"). Both are exact and the same on every rank (the same collectives, in the same
+# order); the second one costs a collective of a scalar, or of one tensor per full save. Remove
+# when DTensor merges them or logs this below WARNING.
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+    lambda record: "sequential" not in record.getMessage())
+
+
 def exit_with_parent():
     """Workaround: a checkpoint writer (DCP's spawned process, torch 2.11 to 2.15) whose training
     process was killed while the writer waited for a peer (forming its process group: up to 30
@@ -647,6 +659,10 @@ def check_flags(args, device, world_size):
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
              "or run on a GPU without --cpu).")
+    if args.cpu_offload and args.tp_degree > 1:
+        fail("--cpu-offload with --tp-degree: FSDP2's CPU offload under tensor parallel is not "
+             "tested in this script (its GPU tests use one GPU); drop --cpu-offload (tensor "
+             "parallel divides each rank's state by T too), or --tp-degree.")
     problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(problem)
@@ -1282,7 +1298,7 @@ def exit_if_plan(args):
                "mixed_precision": args.mixed_precision, "cpu_offload": args.cpu_offload,
                "reshard_after_forward": not args.no_reshard_after_forward,
                "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
-               "activation_checkpointing": args.activation_checkpointing}
+               "activation_checkpointing": args.activation_checkpointing, "tp": args.tp_degree}
     problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(f"--plan: {problem}")
@@ -1298,44 +1314,68 @@ def exit_if_plan(args):
     sys.exit(0)
 
 
+def tensor_parallel_dims(model):
+    """{parameter name: the dim that tensor_parallel_plan() splits it along}, for --plan."""
+    dims = {}
+    for pattern, style in tensor_parallel_plan().items():
+        for name, module in model.named_modules():
+            if not fnmatch.fnmatch(name, pattern) or type(style) not in (ColwiseParallel,
+                                                                       RowwiseParallel):
+                continue
+            colwise, embedding = type(style) is ColwiseParallel, isinstance(module, nn.Embedding)
+            dims[f"{name}.weight"] = int(colwise != embedding)  # nn.Embedding's is (rows, dim)
+            if colwise and getattr(module, "bias", None) is not None:
+                dims[f"{name}.bias"] = 0  # rowwise: the bias is added once the sum is made
+    return dims
+
+
 def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixed_precision,
-                cpu_offload, reshard_after_forward, prefetch, activation_checkpointing):
+                cpu_offload, reshard_after_forward, prefetch, activation_checkpointing, tp=1):
     """Each rank's memory in bytes, from the model's shapes (on the meta device).
 
-    Training state, exact: FSDP2 shards every parameter along dim 0 into world size / replicate
+    Training state, exact: tensor parallel (tp > 1) splits parameters as tensor_parallel_plan()
+    says, then FSDP2 shards each rank's part along dim 0 into world size / (replicate x tp)
     chunks (rank 0's, the largest, is counted): fp32 parameters, gradients and AdamW's two
     moments, and a 4-byte step per tensor. Activations: what autograd saves in one micro-batch's
     forward for backward, counted tensor by tensor for this model (the 17 x tokens x dim of a
     block: the inputs of 2 norms and 4 linears, q, k, v and attention's output, the MLP's two
-    4 x dim tensors; norm statistics and attention's log-sum-exp in fp32), with activation
+    4 x dim tensors; norm statistics and attention's log-sum-exp in fp32; under tensor parallel
+    all but the gathered inputs of q, k, v and the MLP divided by tp), with activation
     checkpointing only each block's input (and one block again while it is recomputed). The
     peak is at the start of backward: parameters and moments (gradients are freed at each step),
     gathered units, every activation, and the loss's three fp32 tokens x vocab buffers."""
-    shard = world_size // replicate
+    shard, dp = world_size // replicate // tp, world_size // tp
     compute = 2 if mixed_precision else 4  # bytes per element of the unsharded parameters
-    blocks = [list(block.parameters()) for block in model.layers]
-    in_blocks = {id(p) for block in blocks for p in block}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    dims = tensor_parallel_dims(model) if tp > 1 else {}
+    sizes = {}  # name: this rank's part under tensor parallel, FSDP2's unsharded parameter
+    for name, p in model.named_parameters():
+        sizes[name] = [n // tp if i == dims.get(name) else n for i, n in enumerate(p.shape)]
+    blocks = [[f"layers.{i}.{name}" for name, _ in block.named_parameters()]
+              for i, block in enumerate(model.layers)]
+    root = [name for name in sizes if not name.startswith("layers.")]
     params = list(model.parameters())
-    local = sum(math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in params)
+    local = sum(math.ceil(size[0] / shard) * math.prod(size[1:]) for size in sizes.values())
     plan = {"world_size": world_size, "parameters": sum(p.numel() for p in params),
             "parameter_bytes": 4 * local, "gradient_bytes": 4 * local,
             "optimizer_bytes": 8 * local + 4 * len(params)}
     plan["train_state_bytes"] = sum(plan[k] for k in ("parameter_bytes", "gradient_bytes",
                                                        "optimizer_bytes"))
-    block_size, root_size = sum(p.numel() for p in blocks[0]), sum(p.numel() for p in root)
+    block_size, root_size = (sum(math.prod(sizes[name]) for name in names)
+                             for names in (blocks[0], root))
     in_flight = len(blocks) if not reshard_after_forward else min(len(blocks), 1 + prefetch)
     plan["gathered_bytes"] = compute * (root_size + in_flight * block_size) + (
         4 * max(root_size, block_size) if cpu_offload else 0)  # offload: the fp32 copy in
     plan["reduce_scatter_bytes"] = (4 + (compute if mixed_precision else 0)) * block_size
     dim, heads = model.norm.weight.shape[0], model.layers[0].attention.n_heads
     vocab, seq_len = model.output.weight.shape[0], model.pos_embeddings.weight.shape[0]
-    tokens = batch_size // world_size // grad_accum_steps * seq_len  # in one micro-batch
-    block = compute * 17 * tokens * dim + 4 * (4 * tokens + heads * tokens)
-    root_activations = 2 * compute * tokens * dim + 4 * 2 * tokens + 8 * (2 * tokens + seq_len)
-    saved = len(blocks) * (compute * tokens * dim if activation_checkpointing else block)
-    plan["activation_bytes"] = saved + root_activations + 4 * tokens * vocab  # log-softmax's
-    plan["recompute_bytes"] = block if activation_checkpointing else 0
+    tokens = batch_size // dp // grad_accum_steps * seq_len  # in one micro-batch
+    block = compute * tokens * dim * (2 + 15 / tp) + 4 * (4 + heads) * tokens / tp
+    root_activations = compute * tokens * dim * (1 + 1 / tp) + 8 * tokens / tp + 8 * (
+        2 * tokens + seq_len)
+    saved = len(blocks) * (compute * tokens * dim / tp if activation_checkpointing else block)
+    vocab = vocab // tp  # this rank's part of the logits (loss_parallel)
+    plan["activation_bytes"] = int(saved + root_activations + 4 * tokens * vocab)  # log-softmax
+    plan["recompute_bytes"] = int(block) if activation_checkpointing else 0
     plan["logits_bytes"] = 12 * tokens * vocab  # saved log-softmax, its gradient, the logits'
     # What saved_tensors_hooks count: the same, with the weights linears and norms save (the
     # gathered parameters, no memory of their own) and the log-softmax saved twice (nll too).
@@ -1345,7 +1385,7 @@ def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixe
         compute * weights + 4)
     resident = 0 if cpu_offload else plan["parameter_bytes"] + plan["optimizer_bytes"]
     if grad_accum_steps > 1:  # gradients accumulate unsharded, in fp32, until the last micro-batch
-        resident += 4 * plan["parameters"]
+        resident += 4 * sum(math.prod(size) for size in sizes.values())
     backward_start = resident + plan["gathered_bytes"] + plan["activation_bytes"] + (
         plan["logits_bytes"] - 4 * tokens * vocab)
     optimizer_step = 0 if cpu_offload else plan["train_state_bytes"]
@@ -1358,9 +1398,12 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     """The plan as a table for people: this run's figures, then 1-64 ranks, then what would fit."""
     gib = 2**30
     scale, unit = (gib, "GiB") if plan["peak_bytes"] >= gib else (2**20, "MiB")  # for display
-    lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ("
-             + (f"{replicate} replicas x {world_size // replicate} shards, HSDP" if replicate > 1
-                else "every parameter sharded over all ranks") + f"), per rank, in {unit}:"]
+    tp = options["tp"]
+    layout = (f"{replicate} replicas x {world_size // replicate // tp} shards, HSDP"
+              if replicate > 1 else "every parameter sharded over all ranks" if tp == 1
+              else f"{world_size // tp} shards")
+    lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ({layout}"
+             + f" x tensor parallel {tp}" * (tp > 1) + f"), per rank, in {unit}:"]
     rows = [("parameters (fp32 shards)", plan["parameter_bytes"]),
             ("gradients (fp32 shards)", plan["gradient_bytes"]),
             ("optimizer state (AdamW, fp32)", plan["optimizer_bytes"]),
@@ -1376,8 +1419,9 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
                  + ("yes" if plan["fits"] else "NO"))
     table = []
     for ranks in PLAN_RANKS:
-        if options["batch_size"] % (ranks * options["grad_accum_steps"]):
-            table.append([str(ranks), f"--batch-size {options['batch_size']} does not divide"])
+        if not splits(ranks, options):
+            table.append([str(ranks), f"--batch-size {options['batch_size']} or --tp-degree "
+                          f"{tp} does not divide"])
             continue
         row = memory_plan(model, ranks, 1, **options)
         table.append([str(ranks), *(f"{row[k] / scale:.2f}" for k in (
@@ -1392,12 +1436,18 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     return "\n".join(lines)
 
 
+def splits(ranks, options):
+    """Whether the global batch (and each layer, under tensor parallel) splits over ranks."""
+    dp = ranks // options["tp"]
+    return ranks % options["tp"] == 0 and options["batch_size"] % (
+        dp * options["grad_accum_steps"]) == 0
+
+
 def ways_to_fit(model, world_size, replicate, device_gib, options):
     """The cheapest changes that bring the predicted peak under device_gib: one flag first, then
     two together; more ranks keep the global batch (each rank's share shrinks)."""
     def peak(ranks, replicas=1, **changes):
-        if options["batch_size"] % (ranks * changes.get("grad_accum_steps",
-                                                        options["grad_accum_steps"])):
+        if not splits(ranks, {**options, **changes}):
             return math.inf
         return memory_plan(model, ranks, replicas, **{**options, **changes})["peak_bytes"] / 2**30
 
