@@ -2,15 +2,18 @@
 
 The recipe of the PyTorch FSDP2 guide - build on the meta device, fully_shard each block and then
 the root, to_empty + reset_parameters, optimizer after sharding - with the guide's options and
-torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, activation checkpointing, compile).
-Read shard_model() (the FSDP2 part), train_step(), Checkpointer (the checkpoint calls) and main()
-(the recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
+torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, tensor parallel, activation
+checkpointing, compile).
+Read shard_model() (the FSDP2 part), tensor_parallel_plan() (--tp-degree: 2-D parallelism with
+FSDP2), train_step(), Checkpointer and AsyncCheckpointer (the checkpoint calls) and main() (the
+recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
 Each of these runs when copied alone with the imports below (and rank0_print, from the bottom).
 
     python fsdp2_transformer.py                      # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
     torchrun --nproc_per_node 8 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt \\
         --checkpoint-format sharded --async-checkpoint
+    sbatch --nodes 2 --gpus-per-node 8 slurm.sbatch fsdp2_transformer.py --tp-degree 4  # 4 x 4
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
 every world size. Below the lesson: Safeguards, which main applies around it, and Plumbing.
@@ -183,9 +186,8 @@ def tensor_parallel_plan():
             "layers.*.attention": whole_sequence, "layers.*.mlp": whole_sequence,
             **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
             "layers.*.attention.proj": RowwiseParallel(output_layouts=Shard(1)),
-            "layers.*.mlp.0": ColwiseParallel(),
+            "layers.*.mlp.0": ColwiseParallel(), "norm": SequenceParallel(),
             "layers.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
             "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)}
 
 
@@ -200,11 +202,11 @@ def shard_model(model, device, mesh, *, tp_plan=None, mp_policy=MixedPrecisionPo
     if tp_plan:
         parallelize_module(model, mesh["tp"], tp_plan)
         mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name != "tp")]
+    fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in model.layers:  # each block: one all-gather in forward, one reduce-scatter after
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,  # the root:
-                mp_policy=mp_policy, offload_policy=offload_policy)  # embeddings, norm, output
+        fully_shard(layer, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm and output
     model.to_empty(device="cpu" if isinstance(offload_policy, CPUOffloadPolicy) else device)
     model.reset_parameters()
     blocks = list(model.layers)
@@ -248,93 +250,39 @@ MARKER = "COMPLETE"  # written last into a checkpoint's folder: the checkpoint i
 
 class Checkpointer:
     """Saves model and optimizer state into <folder>/step_000050 and resumes from the newest
-    complete checkpoint there, at any world size. Each is written into step_000050.tmp, marked
-    complete by a COMPLETE file written last (with the step, the format and the model's config),
-    then renamed: a save cut short leaves a .tmp folder, which resume ignores. full: rank 0
-    gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
+    complete checkpoint there, at any world size and mesh. Each is written into step_000050.tmp,
+    marked complete by a COMPLETE file written last (with the step, the format and the model's
+    config), then renamed: a save cut short leaves a .tmp folder, which resume ignores. full:
+    rank 0 gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
     model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes its
-    shards with dcp.save. async_save: save() returns at once, the next optimizer.step() waits for
-    the copy to host memory, and a writer process per rank (started here; it imports your script:
-    keep its `if __name__ == "__main__":`) writes the shards; marked complete once written."""
+    shards with dcp.save."""
 
-    def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
+    def __init__(self, folder, config, checkpoint_format="full", dcp_api=False):
         self.folder, self.config = folder, config
         self.format, self.dcp_api = checkpoint_format, dcp_api
-        self.group, self.pending, self.stager = None, None, None
-        self.staging, self.hook = None, None  # the copy to host memory; the step that waits
-        if async_save:
-            # DCP's writer processes form their gloo group from this one; a thread marks saves.
-            self.group = dist.new_group(backend="gloo")
-            self.marking = ThreadPoolExecutor(max_workers=1)
-            cuda = torch.cuda.is_available()  # pinned: copies from the GPU at full speed
-            self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
-                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                use_non_blocking_copy=cuda))
-            self.start_writers()
-
-    def start_writers(self):
-        """DCP starts each rank's writer process (a new Python, which imports torch and this
-        script) at its first save, and training would wait while it starts: a save of one number
-        to a throwaway folder starts them now, before training."""
-        path = os.path.join(self.folder, "writers.tmp")
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
-        dist.barrier()
-        self.pending = dcp.async_save({"start": torch.zeros(1)}, checkpoint_id=path,
-                                      process_group=self.group,
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
-        if dist.get_rank() == 0:
-            shutil.rmtree(path)
 
     def save(self, model, optimizer, step):
-        self.wait()  # one save at a time
-        path = os.path.join(self.folder, f"step_{step:06d}")
-        if dist.get_rank() == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
-            os.makedirs(f"{path}.tmp")
-        dist.barrier()
-        if self.format == "full":
+        path = self.new_folder(step)
+        if self.format == "sharded":
+            dcp.save(sharded_state(model, optimizer), checkpoint_id=f"{path}.tmp")
+        else:
             model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
             if dist.get_rank() == 0:
                 torch.save(model_state, os.path.join(f"{path}.tmp", "model.pt"))
                 torch.save(optim_state, os.path.join(f"{path}.tmp", "optimizer.pt"))
-            return self.mark_complete(step, path)
-        state = {"model": get_model_state_dict(model),  # this rank's shards: DTensors
-                 "optimizer": get_optimizer_state_dict(model, optimizer)}
-        if self.group is None:
-            dcp.save(state, checkpoint_id=f"{path}.tmp")
-            return self.mark_complete(step, path)
-        # Returns at once: the copy runs during the next step, whose optimizer.step() waits for
-        # it (a hook). Later saves reuse the first one's plan (the same shards every time).
-        response = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group,
-                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                  async_stager=self.stager,
-                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
-        self.staging = response.staging_completion
-        if self.hook is None:
-            self.hook = optimizer.register_step_pre_hook(self.wait_for_staging)
-        # Written once the future is done (on rank 0, DCP's coordinator: every rank's shards).
-        self.pending = self.marking.submit(self.mark_complete, step, path,
-                                           response.upload_completion)
+        self.mark_complete(step, path)
 
-    def wait_for_staging(self, *_):
-        staging, self.staging = self.staging, None
-        if staging is not None:
-            staging.result()
+    def new_folder(self, step):
+        """Rank 0 makes the step's .tmp folder (a crash's leftover removed); returns its path."""
+        path = os.path.join(self.folder, f"step_{step:06d}")
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+            os.makedirs(f"{path}.tmp")
+        dist.barrier()
+        return path
 
-    def wait(self):
-        """Wait for the last save's background write and marking, if any; raises their error."""
-        self.wait_for_staging()
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def mark_complete(self, step, path, written=None):
-        """Rank 0 writes the COMPLETE marker, then renames the folder (replacing an older run's).
-        written: a background write's future, waited for first: it raises the write's error."""
-        if written is not None:
-            written.result()
+    def mark_complete(self, step, path):
+        """Rank 0 writes the COMPLETE marker, then renames the folder (replacing an older run's)."""
         if dist.get_rank() == 0:
             with open(os.path.join(f"{path}.tmp", MARKER), "w") as f:
                 json.dump({"step": step, "format": self.format, "model": self.config}, f)
@@ -345,6 +293,9 @@ class Checkpointer:
     def saved(self, path):
         rank0_print(f"Saved checkpoint {path}")
 
+    def wait(self):
+        """Nothing to wait for: a synchronous save is complete when save() returns."""
+
     def load(self, model, optimizer, path=None):
         """Resume from path (default: the newest complete checkpoint); return its step (0: none)."""
         path = path or newest_checkpoint(self.folder)
@@ -353,8 +304,7 @@ class Checkpointer:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
         if marker["format"] == "sharded":  # every rank reads the parts of its own shards
-            state = {"model": get_model_state_dict(model),
-                     "optimizer": get_optimizer_state_dict(model, optimizer)}
+            state = sharded_state(model, optimizer)
             dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -362,6 +312,60 @@ class Checkpointer:
             load_full_state(model, optimizer, path, self.dcp_api)
         rank0_print(f"Resumed from {path} at step {marker['step']}")
         return marker["step"]
+
+
+class AsyncCheckpointer(Checkpointer):
+    """A Checkpointer whose sharded saves return at once: the next optimizer.step() waits for the
+    copy of the shards to host memory, then a writer process per rank (started by the first save;
+    it imports your script: keep its `if __name__ == "__main__":`) writes them while training
+    goes on; a thread marks the checkpoint complete once every rank's are written."""
+
+    def __init__(self, folder, config):
+        super().__init__(folder, config, checkpoint_format="sharded")
+        self.group = dist.new_group(backend="gloo")  # DCP's writer processes form theirs from it
+        self.marking = ThreadPoolExecutor(max_workers=1)
+        cuda = torch.cuda.is_available()  # pinned: copies from the GPU at full speed
+        self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
+            use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+            use_non_blocking_copy=cuda))
+        self.pending, self.staging, self.hook = None, None, None  # the write, the copy, the wait
+
+    def save(self, model, optimizer, step):
+        self.wait()  # one save at a time
+        path = self.new_folder(step)
+        # Returns at once; later saves reuse the first one's plan (the same shards every time).
+        response = dcp.async_save(sharded_state(model, optimizer), checkpoint_id=f"{path}.tmp",
+                                  process_group=self.group, async_stager=self.stager,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+        self.staging = response.staging_completion
+        if self.hook is None:  # the copy must end before the optimizer changes the parameters
+            self.hook = optimizer.register_step_pre_hook(self.wait_for_staging)
+        # Marked once written (rank 0, DCP's coordinator, learns when every rank's shards are).
+        self.pending = self.marking.submit(self.mark_when_written, step, path,
+                                           response.upload_completion)
+
+    def mark_when_written(self, step, path, written):
+        written.result()  # raises the write's error
+        self.mark_complete(step, path)
+
+    def wait_for_staging(self, *_):
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
+
+    def wait(self):
+        """Wait for the last save's copy, background write and marking; raises their error."""
+        self.wait_for_staging()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
+def sharded_state(model, optimizer):
+    """This rank's shards of the model and optimizer state (DTensors), for dcp.save and dcp.load."""
+    return {"model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def newest_checkpoint(folder):
@@ -434,15 +438,12 @@ def main(args, device):
 
     # 1. The device mesh: FSDP shards over "dp"; HSDP (--replicate-degree R) replicates over
     #    "replicate" and shards over "shard"; tensor parallel (--tp-degree T) splits each layer over
-    #    "tp", innermost: T neighbouring ranks, on one node (tp rank = rank % T).
-    dp_size, tp = world_size // args.tp_degree, args.tp_degree
-    shape, names = (dp_size,), ("dp",)
-    if args.replicate_degree > 1:
-        shape, names = (args.replicate_degree, dp_size // args.replicate_degree), ("replicate",
-                                                                                 "shard")
-    if tp > 1:
-        shape, names = (*shape, tp), (*names, "tp")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    #    "tp", innermost: T neighbouring ranks, on one node, which read the same rows (rank // T).
+    tp, replicas, dp_size = args.tp_degree, args.replicate_degree, world_size // args.tp_degree
+    shape, names = ((replicas, dp_size // replicas), ("replicate", "shard")) if replicas > 1 else (
+        (dp_size,), ("dp",))
+    mesh = init_device_mesh(device.type, (*shape, tp) if tp > 1 else shape,
+                            mesh_dim_names=(*names, "tp") if tp > 1 else names)
 
     # 2. The model: built on the meta device (no memory), with activation checkpointing and
     #    torch.compile per block (in place, as torchtitan does: the names stay), then sharded,
@@ -471,10 +472,12 @@ def main(args, device):
     # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any: the lesson's
     #    Checkpointer, with the safeguards' checks around each save and load.
     checkpointer, start_step = None, 0
-    if args.checkpoint_dir:
+    if args.async_checkpoint:
+        checkpointer = CheckedAsyncCheckpointer(args.checkpoint_dir, config)
+    elif args.checkpoint_dir:
         checkpointer = CheckedCheckpointer(args.checkpoint_dir, config,
                                            checkpoint_format=args.checkpoint_format,
-                                           dcp_api=args.dcp_api, async_save=args.async_checkpoint)
+                                           dcp_api=args.dcp_api)
     if checkpointer and not args.no_resume:
         start_step = checkpointer.load(model, optimizer)
 
@@ -482,8 +485,7 @@ def main(args, device):
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed,
-                                   rank // tp, dp_size)  # a TP group: the same rows
+                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp_size)
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
@@ -630,6 +632,15 @@ logging.getLogger().addFilter(
 # when DTensor merges them or logs this below WARNING.
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
     lambda record: "sequential" not in record.getMessage())
+
+# Workaround: DCP's checkpoint writer process (torch 2.11 to 2.15) unpickles the DTensors of a
+# 2-D mesh, whose process groups only the training processes have, and logs for every mesh of
+# every tensor "It seems like pickling/unpickling of the DeviceMesh occurred before the PGs were
+# created" (a concern of torch.compile's lookups, which a writer never makes; it needs the shards
+# and their offsets only). The writer imports this file first: the filter reaches it. Remove
+# when DeviceMesh stops logging this at WARNING.
+logging.getLogger("torch.distributed.device_mesh").addFilter(
+    lambda record: "pickling/unpickling of the DeviceMesh" not in record.getMessage())
 
 
 def exit_with_parent():
@@ -821,45 +832,28 @@ def add_fresh_start_flags(add):
 
 
 class CheckedCheckpointer(Checkpointer):
-    """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
-    background write (saying so when that took long), refuses non-finite parameters and a save the
-    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed); its
-    files reach the disk before the marker does. A resume reads only a checkpoint whose marker and
-    tensors fit this model, and a read that fails stops every rank in one line. pauses: the
-    seconds each save blocked training (an asynchronous one: in save, and in the next step's wait
-    for its copy to host memory)."""
+    """The lesson's Checkpointer with the safeguards around it. A save refuses non-finite
+    parameters and a save the disk cannot hold, stops every rank in one line if a write fails (its
+    .tmp folder removed); its files reach the disk before the marker does. A resume reads only a
+    checkpoint whose marker and tensors fit this model, and a read that fails stops every rank in
+    one line. pauses: the seconds each save blocked training."""
 
     def __init__(self, folder, config, **options):
         self.given = folder  # as the user wrote it, for its messages
         self.started, self.last, self.path, self.pauses = None, None, None, []
-        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
         self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
-        if self.stager is not None:  # asynchronous: the divergence check runs with the copy
-            self.stager = FiniteStager(self.stager)
-
-    def start_writers(self):
-        """The lesson's, with SIGINT blocked for the writers, the ranks in step while they start
-        (wait), and a writer that fails to start stopping every rank in one line."""
-        # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
-        # 3.11's ensure_running), which the writer's start would otherwise do, inside
-        # ctrl_c_for_training_only: started here, first.
-        multiprocessing.resource_tracker.ensure_running()
-        self.path = os.path.join(self.folder, "writers")  # its .tmp is removed if it fails
-        self.doing = "start the checkpoint writer processes"
-        with ctrl_c_for_training_only():
-            super().start_writers()
 
     def save(self, model, optimizer, step):
         started = time.perf_counter()
-        self.wait()  # the previous save's line (saved) reads that save's start: set it after
+        self.wait()  # (asynchronous) the previous save's line reads its start: set it after
         self.started = started
         waited = time.perf_counter() - started
         if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
                         "or to a faster disk")
-        if self.stager is None:  # never save a diverged model (asynchronous: FiniteStager)
+        if not isinstance(self, AsyncCheckpointer):  # never save a diverged model (FiniteStager)
             stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
         self.path = os.path.join(self.folder, f"step_{step:06d}")
         self.doing = f"write checkpoint {self.path}"
@@ -871,75 +865,24 @@ class CheckedCheckpointer(Checkpointer):
                 super().save(model, optimizer, step)
         self.pauses[-1] += time.perf_counter() - self.started
 
-    def wait_for_staging(self, *hook_args):
-        """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
-        hook (hook_args), training waited: that counts in the pause of the save; called by wait()
-        at the end of training, it does not."""
-        started, staging, error = time.perf_counter(), self.staging, None
-        try:
-            super().wait_for_staging()
-        except NonFinite as e:
-            error = f"training diverged: {e}; {DIVERGED}"
-        except Exception as e:
-            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
-        if staging is not None:
-            errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
-            dist.all_gather_object(errors, error)
-            if any(errors):
-                self.stop(next(error for error in errors if error))
-            if hook_args:
-                self.pauses[-1] += time.perf_counter() - started
-            held = shared_memory_bytes()  # the staged copy, in shared memory
-            self.staged_bytes.append(held - self.shared_before)
-            self.shared_before = held
-
     def saved(self, path):
         """The line of a complete checkpoint (of an asynchronous save: once written), with the
         time training paused for it (so far: the next step may still wait for its copy)."""
-        background = self.group is not None
+        background = isinstance(self, AsyncCheckpointer)
         paused = self.pauses[-1] if background else time.perf_counter() - self.started
         rank0_print(f"Saved checkpoint {path}" + " (in the background)" * background
                     + f", training paused {paused:.2f} s")
         self.last = path
 
-    def mark_complete(self, step, path, written=None):
+    def mark_complete(self, step, path):
         """The lesson's, durable across a power cut: the files reach the disk (fsync) before the
         marker says they are complete, then the marker and the rename do."""
-        if written is not None:
-            written.result()
         for name in sorted(os.listdir(f"{path}.tmp")) if dist.get_rank() == 0 else ():
             sync_to_disk(os.path.join(f"{path}.tmp", name))  # DCP has synced its own: cheap
         super().mark_complete(step, path)
         if dist.get_rank() == 0:
             sync_to_disk(os.path.join(path, MARKER))
             sync_to_disk(self.folder)  # the rename
-
-    def wait(self):
-        """The lesson's wait, the ranks in step: while a rank's background write is under way,
-        they compare every 0.1 s whether one has failed (a writer that died leaves its peers'
-        waiting for it for ever). A failed write stops every rank in one line, and rank 0 removes
-        its .tmp folder."""
-        self.wait_for_staging()  # (every rank: it may take part in a collective)
-        while True:
-            error, finished = None, self.pending is None or self.pending.done()
-            if finished:
-                try:
-                    super().wait()
-                # Workaround: DCP's staging_completion says that a copy which failed before
-                # async_save returned succeeded (torch 2.11 to 2.15 do not check a done staging
-                # future); the failure then comes with the write. Remove when DCP passes it on.
-                except NonFinite as e:
-                    error = f"training diverged: {e}; {DIVERGED}"
-                except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
-                    error = (write_problem(e, self.path, ELSEWHERE)
-                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
-            states = [None] * dist.get_world_size()
-            dist.all_gather_object(states, (finished, error))
-            if all(finished for finished, _ in states) or any(error for _, error in states):
-                break
-            time.sleep(0.1)
-        if any(error for _, error in states):
-            self.stop(next(error for _, error in states if error))
 
     def stop(self, error):
         """Stop every rank (each calls this with the same error) in one line; rank 0 removes the
@@ -974,6 +917,93 @@ class CheckedCheckpointer(Checkpointer):
                      "to resume from the checkpoint before it, or pass --no-resume")
         agree_on_error(error)
         return step
+
+
+class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
+    """The lesson's AsyncCheckpointer with the same safeguards, and: the writer processes started
+    before training (start_writers), a save that waits for the previous background write says so
+    when that took long, a diverged model is never copied (FiniteStager), and a copy or write that
+    fails on any rank stops every rank in one line. pauses: in save, and in the next step's wait
+    for the copy to host memory."""
+
+    def __init__(self, folder, config):
+        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
+        super().__init__(folder, config)
+        self.stager = FiniteStager(self.stager)  # the divergence check runs with the copy
+        self.start_writers()
+
+    def start_writers(self):
+        """DCP starts each rank's writer process (a new Python, which imports torch and this
+        script) at its first save, and training would wait while it starts: a save of one number
+        to a throwaway folder starts them now, before training, the ranks in step while they
+        start (wait), SIGINT blocked for the writers; one that fails to start stops every rank in
+        one line."""
+        # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
+        # 3.11's ensure_running), which the writer's start would otherwise do, inside
+        # ctrl_c_for_training_only: started here, first.
+        multiprocessing.resource_tracker.ensure_running()
+        self.path = os.path.join(self.folder, "writers")  # its .tmp is removed if it fails
+        self.doing = "start the checkpoint writer processes"
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)  # the leftover of a crash
+        dist.barrier()
+        with ctrl_c_for_training_only():
+            self.pending = dcp.async_save({"start": torch.zeros(1)},
+                                          checkpoint_id=f"{self.path}.tmp",
+                                          process_group=self.group,
+                                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{self.path}.tmp")
+
+    def wait_for_staging(self, *hook_args):
+        """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
+        hook (hook_args), training waited: that counts in the pause of the save; called by wait()
+        at the end of training, it does not."""
+        started, staging, error = time.perf_counter(), self.staging, None
+        try:
+            super().wait_for_staging()
+        except NonFinite as e:
+            error = f"training diverged: {e}; {DIVERGED}"
+        except Exception as e:
+            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
+        if staging is not None:
+            errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                self.stop(next(error for error in errors if error))
+            if hook_args:
+                self.pauses[-1] += time.perf_counter() - started
+            held = shared_memory_bytes()  # the staged copy, in shared memory
+            self.staged_bytes.append(held - self.shared_before)
+            self.shared_before = held
+
+    def wait(self):
+        """The lesson's wait, the ranks in step: while a rank's background write is under way,
+        they compare every 0.1 s whether one has failed (a writer that died leaves its peers'
+        waiting for it for ever). A failed write stops every rank in one line, and rank 0 removes
+        its .tmp folder."""
+        self.wait_for_staging()  # (every rank: it may take part in a collective)
+        while True:
+            error, finished = None, self.pending is None or self.pending.done()
+            if finished:
+                try:
+                    super().wait()
+                # Workaround: DCP's staging_completion says that a copy which failed before
+                # async_save returned succeeded (torch 2.11 to 2.15 do not check a done staging
+                # future); the failure then comes with the write. Remove when DCP passes it on.
+                except NonFinite as e:
+                    error = f"training diverged: {e}; {DIVERGED}"
+                except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
+                    error = (write_problem(e, self.path, ELSEWHERE)
+                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, (finished, error))
+            if all(finished for finished, _ in states) or any(error for _, error in states):
+                break
+            time.sleep(0.1)
+        if any(error for _, error in states):
+            self.stop(next(error for _, error in states if error))
 
 
 def shared_memory_bytes():
@@ -1222,7 +1252,7 @@ class StepLog:
         checkpoint, pauses, staging, staging_s = None, [], None, None
         if checkpointer is not None:
             checkpoint, pauses = checkpointer.last, checkpointer.pauses
-        if checkpointer is not None and checkpointer.stager is not None:
+        if isinstance(checkpointer, AsyncCheckpointer):
             staging, staging_s = checkpointer.staged_bytes, checkpointer.stager.seconds
         if pauses:
             rank0_print(f"Checkpoints paused training {pauses[0]:.2f} s at the first save" + (
