@@ -190,7 +190,9 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
 
 def reduce_scatters_in_one_step(grad_accum_steps):
     config = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
-    model = script.shard_model(config, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    with torch.device("meta"):
+        model = script.Transformer(**config)
+    model = script.shard_model(model, torch.device("cpu"), init_device_mesh("cpu", (2,)))
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = script.rank_batch(script.task_rules(64, 0), 12, 16, 0, dist.get_rank(), 2, 1)
     calls[0] = 0
