@@ -343,13 +343,14 @@ def test_help_explains_every_flag(help_text):
              "--grad-accum-steps", "--dcp-api", "--checkpoint-dir", "--save-every", "--no-resume",
              "--log-every", "--world-size", "--dist-timeout", "--metrics-json",
              "--checkpoint-format", "--async-checkpoint", "--replicate-degree",
-             "--activation-checkpointing", "--compile"]
+             "--activation-checkpointing", "--compile", "--tp-degree"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f"{f} " not in text and f"{f}," not in text] == []
     assert "(default: 200)" in text and "(default: 1.0)" in text
     # the torchtitan equivalent of each flag torchtitan users expect
     for torchtitan in ("--checkpoint.enable", "--checkpoint.async_mode async",
-                       "--parallelism.data_parallel_replicate_degree", "--compile.enable"):
+                       "--parallelism.data_parallel_replicate_degree", "--compile.enable",
+                       "--parallelism.tensor_parallel_degree"):
         assert torchtitan in text, torchtitan
 
 

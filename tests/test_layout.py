@@ -40,7 +40,8 @@ ESSENTIAL = {
         ".full_tensor(", "distribute_tensor(", "dcp.save(", "dcp.async_save(", "dcp.load(",
         "get_model_state_dict(", "set_model_state_dict(", "init_device_mesh(", ".unshard(",
         "torch.optim.AdamW(", "checkpoint(", ".compile(", "AsyncCheckpointerType.PROCESS",
-        "StagingOptions(", ".register_step_pre_hook("],
+        "StagingOptions(", ".register_step_pre_hook(", "parallelize_module(", "ColwiseParallel(",
+        "RowwiseParallel(", "SequenceParallel(", "PrepareModuleInput(", "loss_parallel("],
     "t5_fsdp_finetune.py": [
         "FSDP(", "transformer_auto_wrap_policy", "MixedPrecision(", "ShardedGradScaler(",
         "apply_activation_checkpointing(", "BackwardPrefetch", "ShardingStrategy",
