@@ -1408,11 +1408,13 @@ def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixe
     plan["recompute_bytes"] = int(block) if activation_checkpointing else 0
     plan["logits_bytes"] = 12 * tokens * vocab  # saved log-softmax, its gradient, the logits'
     # What saved_tensors_hooks count: the same, with the weights linears and norms save (the
-    # gathered parameters, no memory of their own) and the log-softmax saved twice (nll too).
+    # gathered parameters, no memory of their own), the input of q, k and v saved by each (one
+    # tensor), and the log-softmax saved twice (nll too).
     weights = (0 if activation_checkpointing else len(blocks) * (block_size - 6 * dim)) + (
         vocab * dim + 2 * dim)  # all but the embeddings and the linears' biases
+    shared = 0 if activation_checkpointing else len(blocks) * 2 * compute * tokens * dim
     plan["saved_for_backward_bytes"] = plan["activation_bytes"] + 4 * tokens * vocab + (
-        compute * weights + 4)
+        compute * weights + 4) + shared
     resident = 0 if cpu_offload else plan["parameter_bytes"] + plan["optimizer_bytes"]
     if grad_accum_steps > 1:  # gradients accumulate unsharded, in fp32, until the last micro-batch
         resident += 4 * sum(math.prod(size) for size in sizes.values())

@@ -1,6 +1,7 @@
 """fsdp2_transformer.py --tp-degree: FSDP2 with tensor parallel on a 2-D (or 3-D) mesh, run for
 real on 4 CPU ranks (gloo): the losses of 1-D FSDP and of one process, checkpoints that move
 between layouts bit for bit, --plan, and one line for every layout that cannot work."""
+import json
 import re
 import shutil
 import sys
@@ -173,11 +174,61 @@ def test_checkpoints_change_layout_bit_for_bit(tp_reference, torchrun, tmp_path)
         assert all(torch.equal(state[k], expected[k]) for k in expected), folder
 
 
-def test_plan_counts_the_tensor_parallel_state(tp_reference, tmp_path):
-    """--plan's training state per rank at (2, 2) is the one the run measured, to the byte."""
+# What autograd saves for backward in one forward of (1, 2) on 2 ranks, each tensor counted by
+# its bytes on this rank (a DTensor's local part), with and without activation checkpointing.
+SAVED_FOR_BACKWARD = """
+import contextlib, gc, json, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+sys.path.insert(0, {repo!r})
+import fsdp2_transformer as script
+
+def saved_bytes(activation_checkpointing):
+    with torch.device("meta"):
+        model = script.Transformer(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
+    model.activation_checkpointing = activation_checkpointing
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = script.shard_model(model, torch.device("cpu"), mesh,
+                               tp_plan=script.tensor_parallel_plan())
+    tokens = script.global_batch(script.task_rules(64, 0), 1, 8, 16, 0)  # every row: dp is 1
+    saved = []
+    def pack(tensor):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        saved.append(local.numel() * local.element_size())
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), loss_parallel():
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                          tokens[:, 1:].flatten()).backward()
+    return sum(saved)
+
+dist.init_process_group("gloo")
+counts = {{"plain": saved_bytes(False), "checkpointed": saved_bytes(True)}}
+if dist.get_rank() == 0:
+    print(json.dumps(counts))
+gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
+dist.destroy_process_group()
+"""
+
+
+def test_plan_counts_the_tensor_parallel_state(tp_reference, torchrun, tmp_path):
+    """--plan at (2, 2): the training state per rank that the run measured, to the byte; at (1, 2)
+    what autograd saves for backward on a rank (sequence parallel splits the norms' inputs and
+    the residual stream, colwise q, k, v and the MLP's hidden units; q, k, v and the MLP read
+    all-gathered inputs), counted with saved-tensor hooks, within 1%."""
     plan = plan_of(SCRIPT, tmp_path, *TP, "--world-size", 4)
     assert plan["train_state_bytes"] == tp_reference.metrics["train_state_bytes"]
     assert "world size 4 (2 shards x tensor parallel 2)" in plan["printed"]
+    program = tmp_path / "saved_for_backward.py"
+    program.write_text(SAVED_FOR_BACKWARD.format(repo=str(REPO)))
+    result = torchrun(program)
+    assert result.returncode == 0, result.output
+    saved = json.loads(result.stdout.splitlines()[-1])
+    for kind, flags in (("plain", []), ("checkpointed", ["--activation-checkpointing"])):
+        predicted = plan_of(SCRIPT, tmp_path, *TP, "--world-size", 2, *flags)
+        assert predicted["saved_for_backward_bytes"] == pytest.approx(saved[kind], rel=0.01)
 
 
 BAD_LAYOUTS = [  # flags (after FSDP2_TINY, on 4 ranks unless they say), what the line says
