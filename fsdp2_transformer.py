@@ -230,7 +230,8 @@ def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
         logits = model(micro[:, :-1])
         # Scaled so that the accumulated gradient is that of the mean over all micro-batches;
         # FSDP2 then averages over the ranks: the gradient of the global batch's mean loss.
-        # Tensor parallel: logits sharded over the vocabulary (a DTensor), and the loss of them.
+        # Tensor parallel: the logits are a DTensor split over the vocabulary; loss_parallel
+        # computes the loss and its gradient from the parts (no rank gathers all the logits).
         with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
                 micro_batches)
@@ -439,11 +440,11 @@ def main(args, device):
     # 1. The device mesh: FSDP shards over "dp"; HSDP (--replicate-degree R) replicates over
     #    "replicate" and shards over "shard"; tensor parallel (--tp-degree T) splits each layer over
     #    "tp", innermost: T neighbouring ranks, on one node, which read the same rows (rank // T).
-    tp, replicas, dp_size = args.tp_degree, args.replicate_degree, world_size // args.tp_degree
-    shape, names = ((replicas, dp_size // replicas), ("replicate", "shard")) if replicas > 1 else (
-        (dp_size,), ("dp",))
-    mesh = init_device_mesh(device.type, (*shape, tp) if tp > 1 else shape,
-                            mesh_dim_names=(*names, "tp") if tp > 1 else names)
+    tp, replicas, dp = args.tp_degree, args.replicate_degree, world_size // args.tp_degree
+    dims = {"replicate": replicas, "shard": dp // replicas} if replicas > 1 else {"dp": dp}
+    if tp > 1:
+        dims["tp"] = tp
+    mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
     # 2. The model: built on the meta device (no memory), with activation checkpointing and
     #    torch.compile per block (in place, as torchtitan does: the names stay), then sharded,
@@ -485,7 +486,7 @@ def main(args, device):
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp_size)
+                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp)
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
