@@ -75,7 +75,8 @@ def test_tensor_parallel_trains_the_same_model(tp_reference, tp_run, fsdp2_refer
             assert run.metrics["losses"] == pytest.approx(other["losses"], rel=1e-5)
             assert run.metrics["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5)
     assert "activation checkpointing: every block" in hsdp.stdout
-    # 2 ranks hold each parameter's tensor-parallel part; FSDP2 shards it over dp (not HSDP's)
+    # Half the state per rank of the 1-D run on half the ranks: tensor parallel splits each layer
+    # over 2 ranks (FSDP2 then shards that part over "dp", HSDP replicates it)
     assert tp_reference.metrics["train_state_bytes"] < 0.6 * reference["train_state_bytes"]
     assert hsdp.metrics["train_state_bytes"] < 0.6 * one_process.metrics["train_state_bytes"]
     # The full format gathers the 3-D layout into a plain model.pt, the 1-D run's: a Transformer
