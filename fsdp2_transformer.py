@@ -2,19 +2,23 @@
 
 The recipe of the PyTorch FSDP2 guide - build on the meta device, fully_shard each block and then
 the root, to_empty + reset_parameters, optimizer after sharding - with the guide's options and
-torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, activation checkpointing, compile).
-Read shard_model() (the FSDP2 part), train_step(), Checkpointer (the checkpoint calls) and main()
-(the recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
+torchtitan's (sharded and asynchronous DCP checkpoints, HSDP, tensor parallel, activation
+checkpointing, compile).
+Read shard_model() (the FSDP2 part), tensor_parallel_plan() (--tp-degree: 2-D parallelism with
+FSDP2), train_step(), Checkpointer and AsyncCheckpointer (the checkpoint calls) and main() (the
+recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
 Each of these runs when copied alone with the imports below (and rank0_print, from the bottom).
 
     python fsdp2_transformer.py                      # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
     torchrun --nproc_per_node 8 --max-restarts 3 fsdp2_transformer.py --checkpoint-dir ckpt \\
         --checkpoint-format sharded --async-checkpoint
+    sbatch --nodes 2 --gpus-per-node 8 slurm.sbatch fsdp2_transformer.py --tp-degree 4  # 4 x 4
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
 every world size. Below the lesson: Safeguards, which main applies around it, and Plumbing.
 """
+import contextlib
 import functools
 import glob
 import json
@@ -38,8 +42,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -64,17 +81,18 @@ def init_(param, fill):
 class Attention(nn.Module):
     def __init__(self, dim, n_heads):
         super().__init__()
-        self.n_heads = n_heads
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
         # No bias: a key bias cannot change softmax attention; Adam would update it from noise.
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        # Three linears, not one: tensor parallel splits each by heads (a fused one, by q/k/v).
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
-        batch, seq, dim = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.n_heads, dim // self.n_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        batch, seq, _ = x.shape  # -1: this rank's heads (all of them without tensor parallel)
+        q, k, v = (linear(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for linear in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # t sees positions <= t only
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class TransformerBlock(nn.Module):
@@ -151,28 +169,45 @@ def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step):
     return tokens.clone()  # only these rows travel from the worker
 
 
+# ------------------------------------------------------------------------------- tensor parallel
+def tensor_parallel_plan():
+    """parallelize_module's plan for Transformer (Megatron-LM's, with sequence parallel). In each
+    block q, k, v and the MLP's first linear are split by output (colwise: a rank computes
+    n_heads / T heads, 4 x dim / T hidden units), proj and the MLP's second linear by input
+    (rowwise: their outputs are summed and scattered along the sequence); the norms and the
+    residual stream hold seq_len / T positions per rank (sequence parallel), all-gathered before
+    attention and the MLP. The embeddings are split by rows, the output head by vocabulary,
+    whose sharded logits loss_parallel turns into the loss (no rank holds all of them)."""
+    whole_sequence = PrepareModuleInput(input_layouts=(Shard(1),),
+                                        desired_input_layouts=(Replicate(),))
+    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "layers.*.attention_norm": SequenceParallel(), "layers.*.mlp_norm": SequenceParallel(),
+            "layers.*.attention": whole_sequence, "layers.*.mlp": whole_sequence,
+            **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+            "layers.*.attention.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.mlp.0": ColwiseParallel(), "norm": SequenceParallel(),
+            "layers.*.mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)}
+
+
 # ----------------------------------------------------------------------------------------- FSDP2
-def shard_model(config, device, mesh, *, reshard_after_forward=True, mixed_precision=False,
-                cpu_offload=False, compile=False, activation_checkpointing=False, prefetch=0):
-    """Build on the meta device (no memory), fully_shard each block and then the root, then
-    materialize this rank's shards (to_empty) and initialize them (reset_parameters). On a 2-D
-    mesh fully_shard does HSDP: shards along the second dimension, replicates along the first.
-    prefetch > 0: explicit prefetching of that many blocks, not the implicit one block ahead."""
-    with torch.device("meta"):
-        model = Transformer(**config)
-    model.activation_checkpointing = activation_checkpointing
-    fsdp_kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mixed_precision:  # compute in bf16, reduce gradients in fp32
-        fsdp_kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                        reduce_dtype=torch.float32)
-    if cpu_offload:  # shards, gradients and the optimizer step in host memory
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+def shard_model(model, device, mesh, *, tp_plan=None, mp_policy=MixedPrecisionPolicy(),
+                offload_policy=OffloadPolicy(), reshard_after_forward=True, prefetch=0):
+    """Shard a model built on the meta device: with tp_plan, tensor parallel over the mesh's "tp"
+    dimension first; then fully_shard each block and the root over the other dimensions (one:
+    FSDP; "replicate" and "shard": HSDP). Then materialize this rank's shards (to_empty) and
+    initialize them (reset_parameters). mp_policy, offload_policy: fully_shard's. prefetch > 0:
+    explicit prefetching of that many blocks, not the implicit one block ahead."""
+    if tp_plan:
+        parallelize_module(model, mesh["tp"], tp_plan)
+        mesh = mesh[tuple(name for name in mesh.mesh_dim_names if name != "tp")]
+    fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy, offload_policy=offload_policy)
     for layer in model.layers:  # each block: one all-gather in forward, one reduce-scatter after
-        if compile:  # in place, before fully_shard, as torchtitan does: the names stay
-            layer.compile(fullgraph=True)
         fully_shard(layer, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm and output
-    model.to_empty(device="cpu" if cpu_offload else device)
+    model.to_empty(device="cpu" if isinstance(offload_policy, CPUOffloadPolicy) else device)
     model.reset_parameters()
     blocks = list(model.layers)
     for i, block in enumerate(blocks if prefetch else []):
@@ -195,10 +230,14 @@ def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
         logits = model(micro[:, :-1])
         # Scaled so that the accumulated gradient is that of the mean over all micro-batches;
         # FSDP2 then averages over the ranks: the gradient of the global batch's mean loss.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
-            micro_batches)
-        loss.backward()
-        loss_sum += loss.detach()
+        # Tensor parallel: the logits are a DTensor split over the vocabulary; loss_parallel
+        # computes the loss and its gradient from the parts (no rank gathers all the logits).
+        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
+                micro_batches)
+            loss.backward()
+        loss = loss.detach()  # as a DTensor, replicated: each rank of a TP group holds it
+        loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
     # The norm of DTensor gradients is the norm of the whole (unsharded) gradient; inf: no clip.
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
     optimizer.step()
@@ -212,93 +251,39 @@ MARKER = "COMPLETE"  # written last into a checkpoint's folder: the checkpoint i
 
 class Checkpointer:
     """Saves model and optimizer state into <folder>/step_000050 and resumes from the newest
-    complete checkpoint there, at any world size. Each is written into step_000050.tmp, marked
-    complete by a COMPLETE file written last (with the step, the format and the model's config),
-    then renamed: a save cut short leaves a .tmp folder, which resume ignores. full: rank 0
-    gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
+    complete checkpoint there, at any world size and mesh. Each is written into step_000050.tmp,
+    marked complete by a COMPLETE file written last (with the step, the format and the model's
+    config), then renamed: a save cut short leaves a .tmp folder, which resume ignores. full:
+    rank 0 gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
     model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes its
-    shards with dcp.save. async_save: save() returns at once, the next optimizer.step() waits for
-    the copy to host memory, and a writer process per rank (started here; it imports your script:
-    keep its `if __name__ == "__main__":`) writes the shards; marked complete once written."""
+    shards with dcp.save."""
 
-    def __init__(self, folder, config, checkpoint_format="full", dcp_api=False, async_save=False):
+    def __init__(self, folder, config, checkpoint_format="full", dcp_api=False):
         self.folder, self.config = folder, config
         self.format, self.dcp_api = checkpoint_format, dcp_api
-        self.group, self.pending, self.stager = None, None, None
-        self.staging, self.hook = None, None  # the copy to host memory; the step that waits
-        if async_save:
-            # DCP's writer processes form their gloo group from this one; a thread marks saves.
-            self.group = dist.new_group(backend="gloo")
-            self.marking = ThreadPoolExecutor(max_workers=1)
-            cuda = torch.cuda.is_available()  # pinned: copies from the GPU at full speed
-            self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
-                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                use_non_blocking_copy=cuda))
-            self.start_writers()
-
-    def start_writers(self):
-        """DCP starts each rank's writer process (a new Python, which imports torch and this
-        script) at its first save, and training would wait while it starts: a save of one number
-        to a throwaway folder starts them now, before training."""
-        path = os.path.join(self.folder, "writers.tmp")
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)  # the leftover of a crash
-        dist.barrier()
-        self.pending = dcp.async_save({"start": torch.zeros(1)}, checkpoint_id=path,
-                                      process_group=self.group,
-                                      async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
-        if dist.get_rank() == 0:
-            shutil.rmtree(path)
 
     def save(self, model, optimizer, step):
-        self.wait()  # one save at a time
-        path = os.path.join(self.folder, f"step_{step:06d}")
-        if dist.get_rank() == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
-            os.makedirs(f"{path}.tmp")
-        dist.barrier()
-        if self.format == "full":
+        path = self.new_folder(step)
+        if self.format == "sharded":
+            dcp.save(sharded_state(model, optimizer), checkpoint_id=f"{path}.tmp")
+        else:
             model_state, optim_state = gather_full_state(model, optimizer, self.dcp_api)
             if dist.get_rank() == 0:
                 torch.save(model_state, os.path.join(f"{path}.tmp", "model.pt"))
                 torch.save(optim_state, os.path.join(f"{path}.tmp", "optimizer.pt"))
-            return self.mark_complete(step, path)
-        state = {"model": get_model_state_dict(model),  # this rank's shards: DTensors
-                 "optimizer": get_optimizer_state_dict(model, optimizer)}
-        if self.group is None:
-            dcp.save(state, checkpoint_id=f"{path}.tmp")
-            return self.mark_complete(step, path)
-        # Returns at once: the copy runs during the next step, whose optimizer.step() waits for
-        # it (a hook). Later saves reuse the first one's plan (the same shards every time).
-        response = dcp.async_save(state, checkpoint_id=f"{path}.tmp", process_group=self.group,
-                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                  async_stager=self.stager,
-                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
-        self.staging = response.staging_completion
-        if self.hook is None:
-            self.hook = optimizer.register_step_pre_hook(self.wait_for_staging)
-        # Written once the future is done (on rank 0, DCP's coordinator: every rank's shards).
-        self.pending = self.marking.submit(self.mark_complete, step, path,
-                                           response.upload_completion)
+        self.mark_complete(step, path)
 
-    def wait_for_staging(self, *_):
-        staging, self.staging = self.staging, None
-        if staging is not None:
-            staging.result()
+    def new_folder(self, step):
+        """Rank 0 makes the step's .tmp folder (a crash's leftover removed); returns its path."""
+        path = os.path.join(self.folder, f"step_{step:06d}")
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+            os.makedirs(f"{path}.tmp")
+        dist.barrier()
+        return path
 
-    def wait(self):
-        """Wait for the last save's background write and marking, if any; raises their error."""
-        self.wait_for_staging()
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.result()
-
-    def mark_complete(self, step, path, written=None):
-        """Rank 0 writes the COMPLETE marker, then renames the folder (replacing an older run's).
-        written: a background write's future, waited for first: it raises the write's error."""
-        if written is not None:
-            written.result()
+    def mark_complete(self, step, path):
+        """Rank 0 writes the COMPLETE marker, then renames the folder (replacing an older run's)."""
         if dist.get_rank() == 0:
             with open(os.path.join(f"{path}.tmp", MARKER), "w") as f:
                 json.dump({"step": step, "format": self.format, "model": self.config}, f)
@@ -309,6 +294,9 @@ class Checkpointer:
     def saved(self, path):
         rank0_print(f"Saved checkpoint {path}")
 
+    def wait(self):
+        """Nothing to wait for: a synchronous save is complete when save() returns."""
+
     def load(self, model, optimizer, path=None):
         """Resume from path (default: the newest complete checkpoint); return its step (0: none)."""
         path = path or newest_checkpoint(self.folder)
@@ -317,8 +305,7 @@ class Checkpointer:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
         if marker["format"] == "sharded":  # every rank reads the parts of its own shards
-            state = {"model": get_model_state_dict(model),
-                     "optimizer": get_optimizer_state_dict(model, optimizer)}
+            state = sharded_state(model, optimizer)
             dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -326,6 +313,60 @@ class Checkpointer:
             load_full_state(model, optimizer, path, self.dcp_api)
         rank0_print(f"Resumed from {path} at step {marker['step']}")
         return marker["step"]
+
+
+class AsyncCheckpointer(Checkpointer):
+    """A Checkpointer whose sharded saves return at once: the next optimizer.step() waits for the
+    copy of the shards to host memory, then a writer process per rank (started by the first save;
+    it imports your script: keep its `if __name__ == "__main__":`) writes them while training
+    goes on; a thread marks the checkpoint complete once every rank's are written."""
+
+    def __init__(self, folder, config):
+        super().__init__(folder, config, checkpoint_format="sharded")
+        self.group = dist.new_group(backend="gloo")  # DCP's writer processes form theirs from it
+        self.marking = ThreadPoolExecutor(max_workers=1)
+        cuda = torch.cuda.is_available()  # pinned: copies from the GPU at full speed
+        self.stager = DefaultStager(StagingOptions(  # shared: the writer reads it in place
+            use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+            use_non_blocking_copy=cuda))
+        self.pending, self.staging, self.hook = None, None, None  # the write, the copy, the wait
+
+    def save(self, model, optimizer, step):
+        self.wait()  # one save at a time
+        path = self.new_folder(step)
+        # Returns at once; later saves reuse the first one's plan (the same shards every time).
+        response = dcp.async_save(sharded_state(model, optimizer), checkpoint_id=f"{path}.tmp",
+                                  process_group=self.group, async_stager=self.stager,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+        self.staging = response.staging_completion
+        if self.hook is None:  # the copy must end before the optimizer changes the parameters
+            self.hook = optimizer.register_step_pre_hook(self.wait_for_staging)
+        # Marked once written (rank 0, DCP's coordinator, learns when every rank's shards are).
+        self.pending = self.marking.submit(self.mark_when_written, step, path,
+                                           response.upload_completion)
+
+    def mark_when_written(self, step, path, written):
+        written.result()  # raises the write's error
+        self.mark_complete(step, path)
+
+    def wait_for_staging(self, *_):
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
+
+    def wait(self):
+        """Wait for the last save's copy, background write and marking; raises their error."""
+        self.wait_for_staging()
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
+def sharded_state(model, optimizer):
+    """This rank's shards of the model and optimizer state (DTensors), for dcp.save and dcp.load."""
+    return {"model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def newest_checkpoint(folder):
@@ -396,22 +437,31 @@ def main(args, device):
     check_checkpoint_dir(args)  # writable, locked, and --no-resume / --overwrite
     torch.manual_seed(args.seed)  # the model's initialization; the data has its own generator
 
-    # 1. The device mesh: 1-D for FSDP; 2-D for HSDP, R replicas each sharded over world size / R.
-    if args.replicate_degree == 1:
-        mesh = init_device_mesh(device.type, (world_size,))
-    else:
-        mesh = init_device_mesh(device.type, (args.replicate_degree,
-                                              world_size // args.replicate_degree),
-                                mesh_dim_names=("replicate", "shard"))
+    # 1. The device mesh: FSDP shards over "dp"; HSDP (--replicate-degree R) replicates over
+    #    "replicate" and shards over "shard"; tensor parallel (--tp-degree T) splits each layer over
+    #    "tp", innermost: T neighbouring ranks, on one node, which read the same rows (rank // T).
+    tp, replicas, dp = args.tp_degree, args.replicate_degree, world_size // args.tp_degree
+    dims = {"replicate": replicas, "shard": dp // replicas} if replicas > 1 else {"dp": dp}
+    if tp > 1:
+        dims["tp"] = tp
+    mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
 
-    # 2. The model: built on the meta device, sharded, then materialized and initialized.
+    # 2. The model: built on the meta device (no memory), with activation checkpointing and
+    #    torch.compile per block (in place, as torchtitan does: the names stay), then sharded,
+    #    materialized and initialized.
     config = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
                   n_heads=args.n_heads, seq_len=args.seq_len)
-    model = shard_model(config, device, mesh,
+    with torch.device("meta"):
+        model = Transformer(**config)
+    model.activation_checkpointing = args.activation_checkpointing
+    for layer in model.layers if args.compile else []:
+        layer.compile(fullgraph=True)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_model(model, device, mesh,
+                        tp_plan=tensor_parallel_plan() if tp > 1 else None,
+                        mp_policy=bf16 if args.mixed_precision else MixedPrecisionPolicy(),
+                        offload_policy=CPUOffloadPolicy() if args.cpu_offload else OffloadPolicy(),
                         reshard_after_forward=not args.no_reshard_after_forward,
-                        mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
-                        compile=args.compile,
-                        activation_checkpointing=args.activation_checkpointing,
                         prefetch=args.prefetch_depth if args.explicit_prefetching else 0)
     agree_on_error(check_sharding(model, args.mixed_precision))  # stop if it is not as expected
     describe_fsdp(model)
@@ -423,10 +473,12 @@ def main(args, device):
     # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any: the lesson's
     #    Checkpointer, with the safeguards' checks around each save and load.
     checkpointer, start_step = None, 0
-    if args.checkpoint_dir:
+    if args.async_checkpoint:
+        checkpointer = CheckedAsyncCheckpointer(args.checkpoint_dir, config)
+    elif args.checkpoint_dir:
         checkpointer = CheckedCheckpointer(args.checkpoint_dir, config,
                                            checkpoint_format=args.checkpoint_format,
-                                           dcp_api=args.dcp_api, async_save=args.async_checkpoint)
+                                           dcp_api=args.dcp_api)
     if checkpointer and not args.no_resume:
         start_step = checkpointer.load(model, optimizer)
 
@@ -434,7 +486,7 @@ def main(args, device):
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed, rank, world_size)
+                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp)
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
@@ -488,7 +540,11 @@ def parse_args(argv=None):
         help="keep parameters gathered from forward to backward (FSDP1's SHARD_GRAD_OP, ZeRO-2)")
     add("--cpu-offload", action="store_true", help="shards and optimizer step on the host (GPU)")
     add("--replicate-degree", type=positive(int), default=1, metavar="R", help="HSDP: R replicas, "
-        "each sharded over world size / R ranks (--parallelism.data_parallel_replicate_degree)")
+        "each sharded over world size / (R x T) ranks "
+        "(--parallelism.data_parallel_replicate_degree)")
+    add("--tp-degree", type=positive(int), default=1, metavar="T", help="tensor parallel: each "
+        "layer split over T ranks of a node, the batch over world size / T "
+        "(--parallelism.tensor_parallel_degree)")
     add("--activation-checkpointing", action="store_true", help="recompute each block's "
         "activations in backward (activation checkpointing mode full)")
     add("--compile", action="store_true", help="torch.compile each block before sharding it "
@@ -520,10 +576,10 @@ def parse_args(argv=None):
 # ==================================================================================================
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
 import argparse
-import contextlib
 import datetime
 import errno
 import fcntl
+import fnmatch
 import gc
 import logging
 import multiprocessing.connection
@@ -546,7 +602,6 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Replicate, Shard
 
 # What the plumbing's one-line errors advise when memory runs out, or when training diverges.
 DIVERGED = "try a smaller --lr, or clip the gradients with --max-norm"
@@ -567,6 +622,26 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returne
 # these at DEBUG.
 logging.getLogger().addFilter(
     lambda record: not record.pathname.endswith("checkpoint/_async_process_executor.py"))
+
+
+# Workaround: DTensor (torch 2.11 to 2.15) logs a warning on every rank, once, where it runs two
+# collectives over two mesh dimensions instead of one: the gradient norm's all-reduce over "dp"
+# (or "shard") and "tp" in every step's clip_grad_norm_, and at a full checkpoint the all-gathers
+# of a parameter that FSDP2 shards along the dim tensor parallel splits too (_StridedShard: "tp"
+# first, then "dp"). Both are exact and the same on every rank (the same collectives, in the same
+# order); the second one costs a collective of a scalar, or of one tensor per full save. Remove
+# when DTensor merges them or logs this below WARNING.
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+    lambda record: "sequential" not in record.getMessage())
+
+# Workaround: DCP's checkpoint writer process (torch 2.11 to 2.15) unpickles the DTensors of a
+# 2-D mesh, whose process groups only the training processes have, and logs for every mesh of
+# every tensor "It seems like pickling/unpickling of the DeviceMesh occurred before the PGs were
+# created" (a concern of torch.compile's lookups, which a writer never makes; it needs the shards
+# and their offsets only). The writer imports this file first: the filter reaches it. Remove
+# when DeviceMesh stops logging this at WARNING.
+logging.getLogger("torch.distributed.device_mesh").addFilter(
+    lambda record: "pickling/unpickling of the DeviceMesh" not in record.getMessage())
 
 
 def exit_with_parent():
@@ -596,9 +671,11 @@ def check_flags(args, device, world_size):
         fail("--cpu-offload keeps the sharded parameters in host memory and copies them to the "
              "GPU for each use; it needs a CUDA GPU and none is in use here (drop --cpu-offload, "
              "or run on a GPU without --cpu).")
-    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
-                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
-                           replicate_degree=args.replicate_degree)
+    if args.cpu_offload and args.tp_degree > 1:
+        fail("--cpu-offload with --tp-degree: FSDP2's CPU offload under tensor parallel is not "
+             "tested in this script (its GPU tests use one GPU); drop --cpu-offload (tensor "
+             "parallel divides each rank's state by T too), or --tp-degree.")
+    problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(problem)
     if args.async_checkpoint and args.checkpoint_format != "sharded":
@@ -625,18 +702,37 @@ def check_flags(args, device, world_size):
                  "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
 
 
-def size_problem(dim, n_heads, batch_size, grad_accum_steps, world_size, replicate_degree):
-    """Why these sizes cannot train at this world size, or None (check_flags, and --plan)."""
-    if dim % n_heads:
-        return (f"--dim {dim} is not divisible by --n-heads {n_heads}: each head gets dim / "
+def check_sizes(args, world_size, ranks_per_node):
+    """Why these sizes and degrees cannot train at this world size, or None (check_flags, and
+    --plan). ranks_per_node: the processes of one node (torchrun's --nproc_per_node)."""
+    tp, replicas, heads = args.tp_degree, args.replicate_degree, args.n_heads
+    if args.dim % heads:
+        return (f"--dim {args.dim} is not divisible by --n-heads {heads}: each head gets dim / "
                 "n_heads channels; pick sizes such as --dim 64 --n-heads 4.")
-    if batch_size % (world_size * grad_accum_steps):
-        return (f"--batch-size {batch_size} (the global batch) is not divisible by world size "
-                f"{world_size} x --grad-accum-steps {grad_accum_steps}; use a multiple of "
-                f"{world_size * grad_accum_steps}.")
-    if world_size % replicate_degree:
-        return (f"--replicate-degree {replicate_degree} does not divide the world size "
-                f"{world_size}: HSDP needs replicas of world size / R ranks each.")
+    if world_size % tp or ranks_per_node % tp:
+        return (f"--tp-degree {tp} does not divide the world size {world_size} and the "
+                f"{ranks_per_node} processes per node: the T ranks of a tensor parallel group "
+                "sit on one node, whose links carry their collectives in every layer; use a "
+                f"divisor of {math.gcd(world_size, ranks_per_node)}.")
+    for flag, size, part in (("--n-heads", heads, "heads (and dim / T channels of q, k, v; "
+                              "4 x dim / T of the MLP)"),
+                             ("--seq-len", args.seq_len, "positions of the residual stream "
+                              "(sequence parallel)"),
+                             ("--vocab-size", args.vocab_size, "rows of the embedding and the "
+                              "output head")):
+        if size % tp:
+            return (f"{flag} {size} is not divisible by --tp-degree {tp}: each tensor parallel "
+                    f"rank holds {flag[2:].replace('-', ' ')} / T {part}; pick a multiple of "
+                    f"{tp}.")
+    dp = world_size // tp  # the data-parallel ranks: each reads its rows of the global batch
+    ranks = f"world size {world_size}" + (f" / --tp-degree {tp}" if tp > 1 else "")
+    if args.batch_size % (dp * args.grad_accum_steps):
+        return (f"--batch-size {args.batch_size} (the global batch) is not divisible by {ranks} x "
+                f"--grad-accum-steps {args.grad_accum_steps}; use a multiple of "
+                f"{dp * args.grad_accum_steps}.")
+    if dp % replicas:
+        return (f"--replicate-degree {replicas} does not divide the {ranks}: HSDP needs replicas "
+                f"of {ranks} / R ranks each.")
     return None
 
 
@@ -660,23 +756,38 @@ def describe_fsdp(model):
 
 
 def check_sharding(model, mixed_precision):
-    """What fully_shard built, checked with public calls: every parameter a float32 DTensor sharded
-    Shard(0) (HSDP: replicated over mesh dimension 0), unsharded to bf16 under mixed precision.
-    Prints it, or returns what is wrong."""
-    params = list(model.parameters())
-    mesh = params[0].device_mesh
-    placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    if not all(isinstance(p, DTensor) and p.placements == placements and p.dtype == torch.float32
-               for p in params):
-        return f"fully_shard did not turn every parameter into a float32 DTensor {placements}"
-    ranks = [f"{n} rank{'s' * (n != 1)}" for n in mesh.shape]
-    if mesh.ndim == 1:
-        layout = f"sharded Shard(0) over {ranks[0]}"
-    else:
-        layout = f"replicated over {ranks[0]} and sharded Shard(0) over {ranks[1]} (HSDP)"
-    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params):,} values) are "
-                f"float32 DTensors {layout}; rank 0 holds "
-                f"{sum(p.to_local().numel() for p in params):,} values")
+    """What fully_shard (and parallelize_module) built, checked with public calls: every parameter
+    a float32 DTensor of the whole mesh, sharded along dim 0 over "dp" (HSDP: replicated over
+    "replicate", sharded over "shard"); with tensor parallel, the weight of every linear and
+    embedding split over "tp" and the rest replicated or split there as the plan says (norms
+    replicated); unsharded to bf16 under mixed precision. Prints it, or returns what is wrong."""
+    params = dict(model.named_parameters())
+    mesh = next(iter(params.values())).device_mesh
+    split = {f"{name}.weight" for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, nn.Embedding))}
+    norms = {f"{name}.{kind}" for name, module in model.named_modules()
+             if isinstance(module, nn.LayerNorm) for kind in ("weight", "bias")}
+    for name, p in params.items():
+        if not (isinstance(p, DTensor) and p.dtype == torch.float32 and p.device_mesh == mesh):
+            return f"{name} is not a float32 DTensor of the {mesh.mesh_dim_names} mesh"
+        for dim, placement in zip(mesh.mesh_dim_names, p.placements):
+            sharded = getattr(placement, "dim", None) is not None  # Shard, or FSDP2's on TP's
+            if dim == "tp" and name in split | norms and sharded != (name in split):
+                return f"{name} is {'' if sharded else 'not '}split over the tp mesh dimension"
+            if dim != "tp" and (not placement.is_replicate() if dim == "replicate"
+                                else getattr(placement, "dim", None) != 0):
+                return f"{name} is {placement} over mesh dimension {dim}, not as FSDP2 shards"
+    ranks = {dim: f"{n} rank{'s' * (n != 1)}" for dim, n in zip(mesh.mesh_dim_names, mesh.shape)}
+    layout = f"sharded Shard(0) over {ranks.get('dp') or ranks['shard']}"
+    if "replicate" in ranks:
+        layout = f"replicated over {ranks['replicate']} and {layout} (HSDP)"
+    if "tp" in ranks:
+        tp_split = sum(getattr(p.placements[-1], "dim", None) is not None for p in params.values())
+        layout += (f", tensor parallel over {ranks['tp']} ({tp_split} split, "
+                   f"{len(params) - tp_split} replicated)")
+    rank0_print(f"All {len(params)} parameters ({sum(p.numel() for p in params.values()):,} "
+                f"values) are float32 DTensors {layout}; rank 0 holds "
+                f"{sum(p.to_local().numel() for p in params.values()):,} values")
     if mixed_precision:
         units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
@@ -722,45 +833,28 @@ def add_fresh_start_flags(add):
 
 
 class CheckedCheckpointer(Checkpointer):
-    """The lesson's Checkpointer with the safeguards around it. A save waits for the previous
-    background write (saying so when that took long), refuses non-finite parameters and a save the
-    disk cannot hold, stops every rank in one line if a write fails (its .tmp folder removed); its
-    files reach the disk before the marker does. A resume reads only a checkpoint whose marker and
-    tensors fit this model, and a read that fails stops every rank in one line. pauses: the
-    seconds each save blocked training (an asynchronous one: in save, and in the next step's wait
-    for its copy to host memory)."""
+    """The lesson's Checkpointer with the safeguards around it. A save refuses non-finite
+    parameters and a save the disk cannot hold, stops every rank in one line if a write fails (its
+    .tmp folder removed); its files reach the disk before the marker does. A resume reads only a
+    checkpoint whose marker and tensors fit this model, and a read that fails stops every rank in
+    one line. pauses: the seconds each save blocked training."""
 
     def __init__(self, folder, config, **options):
         self.given = folder  # as the user wrote it, for its messages
         self.started, self.last, self.path, self.pauses = None, None, None, []
-        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
         self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
-        if self.stager is not None:  # asynchronous: the divergence check runs with the copy
-            self.stager = FiniteStager(self.stager)
-
-    def start_writers(self):
-        """The lesson's, with SIGINT blocked for the writers, the ranks in step while they start
-        (wait), and a writer that fails to start stopping every rank in one line."""
-        # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
-        # 3.11's ensure_running), which the writer's start would otherwise do, inside
-        # ctrl_c_for_training_only: started here, first.
-        multiprocessing.resource_tracker.ensure_running()
-        self.path = os.path.join(self.folder, "writers")  # its .tmp is removed if it fails
-        self.doing = "start the checkpoint writer processes"
-        with ctrl_c_for_training_only():
-            super().start_writers()
 
     def save(self, model, optimizer, step):
         started = time.perf_counter()
-        self.wait()  # the previous save's line (saved) reads that save's start: set it after
+        self.wait()  # (asynchronous) the previous save's line reads its start: set it after
         self.started = started
         waited = time.perf_counter() - started
         if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
                         "or to a faster disk")
-        if self.stager is None:  # never save a diverged model (asynchronous: FiniteStager)
+        if not isinstance(self, AsyncCheckpointer):  # never save a diverged model (FiniteStager)
             stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
         self.path = os.path.join(self.folder, f"step_{step:06d}")
         self.doing = f"write checkpoint {self.path}"
@@ -772,75 +866,24 @@ class CheckedCheckpointer(Checkpointer):
                 super().save(model, optimizer, step)
         self.pauses[-1] += time.perf_counter() - self.started
 
-    def wait_for_staging(self, *hook_args):
-        """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
-        hook (hook_args), training waited: that counts in the pause of the save; called by wait()
-        at the end of training, it does not."""
-        started, staging, error = time.perf_counter(), self.staging, None
-        try:
-            super().wait_for_staging()
-        except NonFinite as e:
-            error = f"training diverged: {e}; {DIVERGED}"
-        except Exception as e:
-            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
-        if staging is not None:
-            errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
-            dist.all_gather_object(errors, error)
-            if any(errors):
-                self.stop(next(error for error in errors if error))
-            if hook_args:
-                self.pauses[-1] += time.perf_counter() - started
-            held = shared_memory_bytes()  # the staged copy, in shared memory
-            self.staged_bytes.append(held - self.shared_before)
-            self.shared_before = held
-
     def saved(self, path):
         """The line of a complete checkpoint (of an asynchronous save: once written), with the
         time training paused for it (so far: the next step may still wait for its copy)."""
-        background = self.group is not None
+        background = isinstance(self, AsyncCheckpointer)
         paused = self.pauses[-1] if background else time.perf_counter() - self.started
         rank0_print(f"Saved checkpoint {path}" + " (in the background)" * background
                     + f", training paused {paused:.2f} s")
         self.last = path
 
-    def mark_complete(self, step, path, written=None):
+    def mark_complete(self, step, path):
         """The lesson's, durable across a power cut: the files reach the disk (fsync) before the
         marker says they are complete, then the marker and the rename do."""
-        if written is not None:
-            written.result()
         for name in sorted(os.listdir(f"{path}.tmp")) if dist.get_rank() == 0 else ():
             sync_to_disk(os.path.join(f"{path}.tmp", name))  # DCP has synced its own: cheap
         super().mark_complete(step, path)
         if dist.get_rank() == 0:
             sync_to_disk(os.path.join(path, MARKER))
             sync_to_disk(self.folder)  # the rename
-
-    def wait(self):
-        """The lesson's wait, the ranks in step: while a rank's background write is under way,
-        they compare every 0.1 s whether one has failed (a writer that died leaves its peers'
-        waiting for it for ever). A failed write stops every rank in one line, and rank 0 removes
-        its .tmp folder."""
-        self.wait_for_staging()  # (every rank: it may take part in a collective)
-        while True:
-            error, finished = None, self.pending is None or self.pending.done()
-            if finished:
-                try:
-                    super().wait()
-                # Workaround: DCP's staging_completion says that a copy which failed before
-                # async_save returned succeeded (torch 2.11 to 2.15 do not check a done staging
-                # future); the failure then comes with the write. Remove when DCP passes it on.
-                except NonFinite as e:
-                    error = f"training diverged: {e}; {DIVERGED}"
-                except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
-                    error = (write_problem(e, self.path, ELSEWHERE)
-                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
-            states = [None] * dist.get_world_size()
-            dist.all_gather_object(states, (finished, error))
-            if all(finished for finished, _ in states) or any(error for _, error in states):
-                break
-            time.sleep(0.1)
-        if any(error for _, error in states):
-            self.stop(next(error for _, error in states if error))
 
     def stop(self, error):
         """Stop every rank (each calls this with the same error) in one line; rank 0 removes the
@@ -875,6 +918,93 @@ class CheckedCheckpointer(Checkpointer):
                      "to resume from the checkpoint before it, or pass --no-resume")
         agree_on_error(error)
         return step
+
+
+class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
+    """The lesson's AsyncCheckpointer with the same safeguards, and: the writer processes started
+    before training (start_writers), a save that waits for the previous background write says so
+    when that took long, a diverged model is never copied (FiniteStager), and a copy or write that
+    fails on any rank stops every rank in one line. pauses: in save, and in the next step's wait
+    for the copy to host memory."""
+
+    def __init__(self, folder, config):
+        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
+        super().__init__(folder, config)
+        self.stager = FiniteStager(self.stager)  # the divergence check runs with the copy
+        self.start_writers()
+
+    def start_writers(self):
+        """DCP starts each rank's writer process (a new Python, which imports torch and this
+        script) at its first save, and training would wait while it starts: a save of one number
+        to a throwaway folder starts them now, before training, the ranks in step while they
+        start (wait), SIGINT blocked for the writers; one that fails to start stops every rank in
+        one line."""
+        # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
+        # 3.11's ensure_running), which the writer's start would otherwise do, inside
+        # ctrl_c_for_training_only: started here, first.
+        multiprocessing.resource_tracker.ensure_running()
+        self.path = os.path.join(self.folder, "writers")  # its .tmp is removed if it fails
+        self.doing = "start the checkpoint writer processes"
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)  # the leftover of a crash
+        dist.barrier()
+        with ctrl_c_for_training_only():
+            self.pending = dcp.async_save({"start": torch.zeros(1)},
+                                          checkpoint_id=f"{self.path}.tmp",
+                                          process_group=self.group,
+                                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{self.path}.tmp")
+
+    def wait_for_staging(self, *hook_args):
+        """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
+        hook (hook_args), training waited: that counts in the pause of the save; called by wait()
+        at the end of training, it does not."""
+        started, staging, error = time.perf_counter(), self.staging, None
+        try:
+            super().wait_for_staging()
+        except NonFinite as e:
+            error = f"training diverged: {e}; {DIVERGED}"
+        except Exception as e:
+            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
+        if staging is not None:
+            errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                self.stop(next(error for error in errors if error))
+            if hook_args:
+                self.pauses[-1] += time.perf_counter() - started
+            held = shared_memory_bytes()  # the staged copy, in shared memory
+            self.staged_bytes.append(held - self.shared_before)
+            self.shared_before = held
+
+    def wait(self):
+        """The lesson's wait, the ranks in step: while a rank's background write is under way,
+        they compare every 0.1 s whether one has failed (a writer that died leaves its peers'
+        waiting for it for ever). A failed write stops every rank in one line, and rank 0 removes
+        its .tmp folder."""
+        self.wait_for_staging()  # (every rank: it may take part in a collective)
+        while True:
+            error, finished = None, self.pending is None or self.pending.done()
+            if finished:
+                try:
+                    super().wait()
+                # Workaround: DCP's staging_completion says that a copy which failed before
+                # async_save returned succeeded (torch 2.11 to 2.15 do not check a done staging
+                # future); the failure then comes with the write. Remove when DCP passes it on.
+                except NonFinite as e:
+                    error = f"training diverged: {e}; {DIVERGED}"
+                except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
+                    error = (write_problem(e, self.path, ELSEWHERE)
+                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
+            states = [None] * dist.get_world_size()
+            dist.all_gather_object(states, (finished, error))
+            if all(finished for finished, _ in states) or any(error for _, error in states):
+                break
+            time.sleep(0.1)
+        if any(error for _, error in states):
+            self.stop(next(error for _, error in states if error))
 
 
 def shared_memory_bytes():
@@ -1123,7 +1253,7 @@ class StepLog:
         checkpoint, pauses, staging, staging_s = None, [], None, None
         if checkpointer is not None:
             checkpoint, pauses = checkpointer.last, checkpointer.pauses
-        if checkpointer is not None and checkpointer.stager is not None:
+        if isinstance(checkpointer, AsyncCheckpointer):
             staging, staging_s = checkpointer.staged_bytes, checkpointer.stager.seconds
         if pauses:
             rank0_print(f"Checkpoints paused training {pauses[0]:.2f} s at the first save" + (
@@ -1199,10 +1329,8 @@ def exit_if_plan(args):
                "mixed_precision": args.mixed_precision, "cpu_offload": args.cpu_offload,
                "reshard_after_forward": not args.no_reshard_after_forward,
                "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
-               "activation_checkpointing": args.activation_checkpointing}
-    problem = size_problem(args.dim, args.n_heads, batch_size=args.batch_size,
-                           grad_accum_steps=args.grad_accum_steps, world_size=world_size,
-                           replicate_degree=args.replicate_degree)
+               "activation_checkpointing": args.activation_checkpointing, "tp": args.tp_degree}
+    problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(f"--plan: {problem}")
     with torch.device("meta"):  # shapes only: no memory, no weights
@@ -1217,54 +1345,80 @@ def exit_if_plan(args):
     sys.exit(0)
 
 
+def tensor_parallel_dims(model):
+    """{parameter name: the dim that tensor_parallel_plan() splits it along}, for --plan."""
+    dims = {}
+    for pattern, style in tensor_parallel_plan().items():
+        for name, module in model.named_modules():
+            if not fnmatch.fnmatch(name, pattern) or type(style) not in (ColwiseParallel,
+                                                                       RowwiseParallel):
+                continue
+            colwise, embedding = type(style) is ColwiseParallel, isinstance(module, nn.Embedding)
+            dims[f"{name}.weight"] = int(colwise != embedding)  # nn.Embedding's is (rows, dim)
+            if colwise and getattr(module, "bias", None) is not None:
+                dims[f"{name}.bias"] = 0  # rowwise: the bias is added once the sum is made
+    return dims
+
+
 def memory_plan(model, world_size, replicate, batch_size, grad_accum_steps, mixed_precision,
-                cpu_offload, reshard_after_forward, prefetch, activation_checkpointing):
+                cpu_offload, reshard_after_forward, prefetch, activation_checkpointing, tp=1):
     """Each rank's memory in bytes, from the model's shapes (on the meta device).
 
-    Training state, exact: FSDP2 shards every parameter along dim 0 into world size / replicate
+    Training state, exact: tensor parallel (tp > 1) splits parameters as tensor_parallel_plan()
+    says, then FSDP2 shards each rank's part along dim 0 into world size / (replicate x tp)
     chunks (rank 0's, the largest, is counted): fp32 parameters, gradients and AdamW's two
     moments, and a 4-byte step per tensor. Activations: what autograd saves in one micro-batch's
     forward for backward, counted tensor by tensor for this model (the 17 x tokens x dim of a
     block: the inputs of 2 norms and 4 linears, q, k, v and attention's output, the MLP's two
-    4 x dim tensors; norm statistics and attention's log-sum-exp in fp32), with activation
+    4 x dim tensors; norm statistics and attention's log-sum-exp in fp32; under tensor parallel
+    all but the gathered inputs of q, k, v and the MLP divided by tp), with activation
     checkpointing only each block's input (and one block again while it is recomputed). The
     peak is at the start of backward: parameters and moments (gradients are freed at each step),
     gathered units, every activation, and the loss's three fp32 tokens x vocab buffers."""
-    shard = world_size // replicate
+    shard, dp = world_size // replicate // tp, world_size // tp
     compute = 2 if mixed_precision else 4  # bytes per element of the unsharded parameters
-    blocks = [list(block.parameters()) for block in model.layers]
-    in_blocks = {id(p) for block in blocks for p in block}
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    dims = tensor_parallel_dims(model) if tp > 1 else {}
+    sizes = {}  # name: this rank's part under tensor parallel, FSDP2's unsharded parameter
+    for name, p in model.named_parameters():
+        sizes[name] = [n // tp if i == dims.get(name) else n for i, n in enumerate(p.shape)]
+    blocks = [[f"layers.{i}.{name}" for name, _ in block.named_parameters()]
+              for i, block in enumerate(model.layers)]
+    root = [name for name in sizes if not name.startswith("layers.")]
     params = list(model.parameters())
-    local = sum(math.ceil(p.shape[0] / shard) * (p.numel() // p.shape[0]) for p in params)
+    local = sum(math.ceil(size[0] / shard) * math.prod(size[1:]) for size in sizes.values())
     plan = {"world_size": world_size, "parameters": sum(p.numel() for p in params),
             "parameter_bytes": 4 * local, "gradient_bytes": 4 * local,
             "optimizer_bytes": 8 * local + 4 * len(params)}
     plan["train_state_bytes"] = sum(plan[k] for k in ("parameter_bytes", "gradient_bytes",
                                                        "optimizer_bytes"))
-    block_size, root_size = sum(p.numel() for p in blocks[0]), sum(p.numel() for p in root)
+    block_size, root_size = (sum(math.prod(sizes[name]) for name in names)
+                             for names in (blocks[0], root))
     in_flight = len(blocks) if not reshard_after_forward else min(len(blocks), 1 + prefetch)
     plan["gathered_bytes"] = compute * (root_size + in_flight * block_size) + (
         4 * max(root_size, block_size) if cpu_offload else 0)  # offload: the fp32 copy in
     plan["reduce_scatter_bytes"] = (4 + (compute if mixed_precision else 0)) * block_size
     dim, heads = model.norm.weight.shape[0], model.layers[0].attention.n_heads
     vocab, seq_len = model.output.weight.shape[0], model.pos_embeddings.weight.shape[0]
-    tokens = batch_size // world_size // grad_accum_steps * seq_len  # in one micro-batch
-    block = compute * 17 * tokens * dim + 4 * (4 * tokens + heads * tokens)
-    root_activations = 2 * compute * tokens * dim + 4 * 2 * tokens + 8 * (2 * tokens + seq_len)
-    saved = len(blocks) * (compute * tokens * dim if activation_checkpointing else block)
-    plan["activation_bytes"] = saved + root_activations + 4 * tokens * vocab  # log-softmax's
-    plan["recompute_bytes"] = block if activation_checkpointing else 0
+    tokens = batch_size // dp // grad_accum_steps * seq_len  # in one micro-batch
+    block = compute * tokens * dim * (2 + 15 / tp) + 4 * (4 + heads) * tokens / tp
+    root_activations = compute * tokens * dim * (1 + 1 / tp) + 8 * tokens / tp + 8 * (
+        2 * tokens + seq_len)
+    saved = len(blocks) * (compute * tokens * dim / tp if activation_checkpointing else block)
+    vocab = vocab // tp  # this rank's part of the logits (loss_parallel)
+    plan["activation_bytes"] = int(saved + root_activations + 4 * tokens * vocab)  # log-softmax
+    plan["recompute_bytes"] = int(block) if activation_checkpointing else 0
     plan["logits_bytes"] = 12 * tokens * vocab  # saved log-softmax, its gradient, the logits'
     # What saved_tensors_hooks count: the same, with the weights linears and norms save (the
-    # gathered parameters, no memory of their own) and the log-softmax saved twice (nll too).
+    # gathered parameters, no memory of their own), the input of q, k and v saved by each (one
+    # tensor), and the log-softmax saved twice (nll too).
     weights = (0 if activation_checkpointing else len(blocks) * (block_size - 6 * dim)) + (
         vocab * dim + 2 * dim)  # all but the embeddings and the linears' biases
+    shared = 0 if activation_checkpointing else len(blocks) * 2 * compute * tokens * dim
     plan["saved_for_backward_bytes"] = plan["activation_bytes"] + 4 * tokens * vocab + (
-        compute * weights + 4)
+        compute * weights + 4) + shared
     resident = 0 if cpu_offload else plan["parameter_bytes"] + plan["optimizer_bytes"]
     if grad_accum_steps > 1:  # gradients accumulate unsharded, in fp32, until the last micro-batch
-        resident += 4 * plan["parameters"]
+        resident += 4 * sum(math.prod(size) for size in sizes.values())
     backward_start = resident + plan["gathered_bytes"] + plan["activation_bytes"] + (
         plan["logits_bytes"] - 4 * tokens * vocab)
     optimizer_step = 0 if cpu_offload else plan["train_state_bytes"]
@@ -1277,9 +1431,12 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     """The plan as a table for people: this run's figures, then 1-64 ranks, then what would fit."""
     gib = 2**30
     scale, unit = (gib, "GiB") if plan["peak_bytes"] >= gib else (2**20, "MiB")  # for display
-    lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ("
-             + (f"{replicate} replicas x {world_size // replicate} shards, HSDP" if replicate > 1
-                else "every parameter sharded over all ranks") + f"), per rank, in {unit}:"]
+    tp = options["tp"]
+    layout = (f"{replicate} replicas x {world_size // replicate // tp} shards, HSDP"
+              if replicate > 1 else "every parameter sharded over all ranks" if tp == 1
+              else f"{world_size // tp} shards")
+    lines = [f"Plan: {plan['parameters']:,} parameters, world size {world_size} ({layout}"
+             + f" x tensor parallel {tp}" * (tp > 1) + f"), per rank, in {unit}:"]
     rows = [("parameters (fp32 shards)", plan["parameter_bytes"]),
             ("gradients (fp32 shards)", plan["gradient_bytes"]),
             ("optimizer state (AdamW, fp32)", plan["optimizer_bytes"]),
@@ -1295,8 +1452,9 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
                  + ("yes" if plan["fits"] else "NO"))
     table = []
     for ranks in PLAN_RANKS:
-        if options["batch_size"] % (ranks * options["grad_accum_steps"]):
-            table.append([str(ranks), f"--batch-size {options['batch_size']} does not divide"])
+        if not splits(ranks, options):
+            table.append([str(ranks), f"--batch-size {options['batch_size']} or --tp-degree "
+                          f"{tp} does not divide"])
             continue
         row = memory_plan(model, ranks, 1, **options)
         table.append([str(ranks), *(f"{row[k] / scale:.2f}" for k in (
@@ -1311,12 +1469,18 @@ def plan_text(model, plan, world_size, replicate, device_gib, options):
     return "\n".join(lines)
 
 
+def splits(ranks, options):
+    """Whether the global batch (and each layer, under tensor parallel) splits over ranks."""
+    dp = ranks // options["tp"]
+    return ranks % options["tp"] == 0 and options["batch_size"] % (
+        dp * options["grad_accum_steps"]) == 0
+
+
 def ways_to_fit(model, world_size, replicate, device_gib, options):
     """The cheapest changes that bring the predicted peak under device_gib: one flag first, then
     two together; more ranks keep the global batch (each rank's share shrinks)."""
     def peak(ranks, replicas=1, **changes):
-        if options["batch_size"] % (ranks * changes.get("grad_accum_steps",
-                                                        options["grad_accum_steps"])):
+        if not splits(ranks, {**options, **changes}):
             return math.inf
         return memory_plan(model, ranks, replicas, **{**options, **changes})["peak_bytes"] / 2**30
 

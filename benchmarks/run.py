@@ -10,6 +10,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --smoke --repeats 1 --only fsdp2 --fsdp2-steps 10  # not for quoting
     python benchmarks/run.py --only fsdp2-gpu      # C1B (1B parameters) on one GPU
     python benchmarks/run.py --only checkpoint --thread-writer-script old/fsdp2_transformer.py
+    python benchmarks/run.py --only tp             # (dp, tp) = (4, 1), (2, 2), (1, 4) on CPU
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -21,6 +22,8 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
 - T5 (world size 2, CPU, fp32): FSDP1's FULL_SHARD, SHARD_GRAD_OP and NO_SHARD with BACKWARD_PRE,
   FULL_SHARD with BACKWARD_POST and with no backward prefetch; FSDP2's FULL_SHARD and
   SHARD_GRAD_OP (--fsdp-version 2).
+- Tensor parallel (world size 4, CPU, only when asked for): FSDP2's default model as (dp, tp) =
+  (4, 1), (2, 2) and (1, 4) with --tp-degree; tokens/s and training state per rank.
 - Checkpoint pauses (world size 2, CPU, only when asked for): issue 34's 55M-parameter model, 30
   steps, without checkpoints, with synchronous sharded saves every 3 steps and with the background
   writer process (--async-checkpoint); --thread-writer-script adds a row for another copy of the
@@ -54,7 +57,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu")
+BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -82,6 +85,8 @@ CHECKPOINT_SAVES = ["--checkpoint-dir", "ckpt", "--save-every", "3", "--checkpoi
 CHECKPOINT_RUNS = {"no checkpoints": [], "synchronous sharded": CHECKPOINT_SAVES,
                    "process writer (--async-checkpoint)": [*CHECKPOINT_SAVES,
                                                            "--async-checkpoint"]}
+# tp: FSDP2's default model on 4 CPU ranks, as (dp, tp) = (4, 1), (2, 2) and (1, 4) (--tp-degree)
+TP_DEGREES = (1, 2, 4)
 UPSTREAM_C1B_TOKENS_PER_S = 67_300  # pytorch/examples distributed/FSDP2 on an H100 (issue 19)
 FSDP2_OPTIONS = {"plain": [], "explicit-prefetching": ["--explicit-prefetching"],
                  "mixed-precision": ["--mixed-precision"],
@@ -207,7 +212,7 @@ def figures_of(config, metrics, stdout):
             # Printed, not in the metrics file: the training time of all epochs.
             event = re.search(r"CUDA event elapsed time: ([\d.]+)sec", stdout)
             figures["cuda_event_s"] = float(event.group(1)) if event else None
-    elif config["benchmark"] == "fsdp2":
+    elif config["benchmark"] in ("fsdp2", "tp"):
         figures["tokens_per_s"] = metrics["tokens_per_s"]
         figures["step_ms"] = 1000 * FSDP2_BATCH * FSDP2_SEQ_LEN / metrics["tokens_per_s"]
     elif config["benchmark"] == "checkpoint":
@@ -236,7 +241,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
-                    "(checkpoint and fsdp2-gpu, a 1B-parameter model on one GPU, only when "
+                    "(checkpoint, tp and fsdp2-gpu, a 1B-parameter model on one GPU, only when "
                     "asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
@@ -380,6 +385,18 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                                      "--backward-prefetch", prefetch,
                                      "--mixed-precision", precision,
                                      "--no-save-model", *(["--cpu"] if on_cpu else [])]})
+
+if "tp" in args.only:  # 4 ranks; on fewer cores, said under the header
+    if cores < 4:
+        notes.append(f"Tensor parallel on 4 ranks with {cores} CPU cores: the processes share "
+                     "the cores, so tokens/s compares the layouts, not what 4 cores would do.")
+    for tp in TP_DEGREES:
+        configs.append({"benchmark": "tp", "device": "cpu", "world_size": 4, "tp": tp,
+                        "name": f"dp {4 // tp} x tp {tp}", "script": "fsdp2_transformer.py",
+                        "args": ["--steps", str(args.fsdp2_steps), "--batch-size",
+                                 str(FSDP2_BATCH), "--seq-len", str(FSDP2_SEQ_LEN),
+                                 "--log-every", str(args.fsdp2_steps), "--tp-degree", str(tp),
+                                 "--cpu"]})
 
 if "checkpoint" in args.only:
     checkpoint_runs = {name: ("fsdp2_transformer.py", flags)
@@ -568,6 +585,23 @@ for device in ["cpu"] + (["cuda"] if gpu else []):
                 + (" (slower on CPUs without native bf16)" if device == "cpu"
                    else "; its tokens/s vs plain is the bf16 speed-up")
                 + ".\n",
+                markdown_table(headers, rows)]
+    if "tp" in args.only and device == "cpu":
+        fsdp = find("tp", "cpu", tp=1)
+        headers = ["mesh (dp x tp)", "train state / rank (MiB)", "state vs dp 4",
+                   peak_label[device], "time / step (ms)", "tokens/s", "tokens/s vs dp 4"]
+        rows = [[c["name"] + (" (FAILED)" if c["failed"] else ""),
+                 fmt(median(c, "state_mib"), ".3f"),
+                 fmt(ratio(median(c, "state_mib"), median(fsdp, "state_mib")), ".3f"),
+                 fmt(median(c, "peak_mib"), ".1f"), fmt(median(c, "step_ms"), ".2f"),
+                 fmt(median(c, "tokens_per_s"), ",.0f"),
+                 fmt(ratio(median(c, "tokens_per_s"), median(fsdp, "tokens_per_s")), ".2f")]
+                for c in configs if c["benchmark"] == "tp"]
+        out += ["\n### Tensor parallel: FSDP2 + --tp-degree on 4 ranks (CPU, gloo)\n",
+                f"Default model (vocab 128, dim 64, 2 layers, 4 heads), global batch "
+                f"{FSDP2_BATCH} x {FSDP2_SEQ_LEN} tokens, {args.fsdp2_steps} steps; {runs_said}. "
+                "dp 4 x tp 1 is plain FSDP2; tp T splits each layer over T ranks, which read the "
+                "same rows, and FSDP2 shards over the 4 / T others.\n",
                 markdown_table(headers, rows)]
     if "t5" in args.only:
         base = find("t5", device, fsdp_version=1, strategy="FULL_SHARD", prefetch="BACKWARD_PRE",

@@ -83,38 +83,56 @@ def same(a, b):
     return torch.equal(a, b)
 
 
+def build(mesh, tp_plan=None, seed=0):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Transformer(**config)
+    model = shard_model(model, torch.device("cpu"), mesh, tp_plan=tp_plan)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
 config = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, seq_len=16)
-mesh = init_device_mesh("cpu", (2,))
-model = shard_model(config, torch.device("cpu"), mesh)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-batch = rank_batch(task_rules(64, 0), 8, 16, 0, rank, 2, 1)
-loss, grad_norm = train_step(model, optimizer, batch)
+flat = init_device_mesh("cpu", (2,))  # FSDP over both ranks
+tp_mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))  # tensor parallel over them
+model, optimizer = build(flat)
+loss, grad_norm = train_step(model, optimizer, rank_batch(task_rules(64, 0), 8, 16, 0, rank, 2, 1))
 assert torch.isfinite(loss) and torch.isfinite(grad_norm), (loss, grad_norm)
-for name, options in [("full", {}), ("full, DCP API", {"dcp_api": True}),
-                      ("sharded", {"checkpoint_format": "sharded"}),
-                      ("sharded async", {"checkpoint_format": "sharded", "async_save": True})]:
-    folder = sys.argv[1] + "/" + name.replace(" ", "_").replace(",", "")
-    saver = Checkpointer(folder, config, **options)
-    saver.save(model, optimizer, step=1)
-    saver.wait()
-    dist.barrier()  # rank 0 has marked it complete: the other ranks may look for it now
-    torch.manual_seed(1)  # another initialization, then the checkpoint's state
-    fresh = shard_model(config, torch.device("cpu"), mesh)
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=3e-3)
-    assert Checkpointer(folder, config, **options).load(fresh, fresh_optimizer) == 1, name
-    assert all(same(a, b) for a, b in zip(model.parameters(), fresh.parameters())), name
-    for p, q in zip(model.parameters(), fresh.parameters()):
-        state, loaded = optimizer.state[p], fresh_optimizer.state[q]
-        assert state.keys() == loaded.keys() and all(same(state[k], loaded[k]) for k in state)
-rank0_print("copied units: step and round trips ok")
+# The same model, tensor parallel: both ranks read the whole batch; the same loss and norm.
+tp_model, tp_optimizer = build(tp_mesh, tensor_parallel_plan())
+tp_loss, tp_norm = train_step(tp_model, tp_optimizer, rank_batch(task_rules(64, 0), 8, 16, 0, 0,
+                                                                 1, 1))
+assert torch.allclose(tp_loss, loss, rtol=1e-5) and torch.allclose(tp_norm, grad_norm, rtol=1e-5)
+for name, make in [("full", lambda folder: Checkpointer(folder, config)),
+                   ("full, DCP API", lambda folder: Checkpointer(folder, config, dcp_api=True)),
+                   ("sharded", lambda folder: Checkpointer(folder, config, "sharded")),
+                   ("sharded async", lambda folder: AsyncCheckpointer(folder, config))]:
+    for saved, saved_optimizer, mesh, plan in [(model, optimizer, tp_mesh, tensor_parallel_plan()),
+                                               (tp_model, tp_optimizer, flat, None)]:
+        folder = sys.argv[1] + "/" + name.replace(" ", "_").replace(",", "") + str(plan is None)
+        saver = make(folder)
+        saver.save(saved, saved_optimizer, step=1)
+        saver.wait()
+        dist.barrier()  # rank 0 has marked it complete: the other ranks may look for it now
+        fresh, fresh_optimizer = build(mesh, plan, seed=1)  # the other layout, another init
+        assert make(folder).load(fresh, fresh_optimizer) == 1, name
+        assert all(same(a, b) for a, b in zip(saved.parameters(), fresh.parameters())), name
+        for p, q in zip(saved.parameters(), fresh.parameters()):
+            state, loaded = saved_optimizer.state[p], fresh_optimizer.state[q]
+            assert state.keys() == loaded.keys() and all(same(state[k], loaded[k]) for k in state)
+rank0_print("copied units: step, tensor parallel step and round trips across layouts ok")
 """)
 
 
+FSDP2_UNITS = ["Transformer", "tensor_parallel_plan", "shard_model", "train_step", "Checkpointer",
+               "AsyncCheckpointer", "rank_batch", "task_rules"]
+
+
 def test_fsdp2_units_run_copied_alone(tmp_path):
-    run = run_copy(tmp_path, "fsdp2_transformer.py",
-                   ["shard_model", "train_step", "Checkpointer", "rank_batch", "task_rules"],
-                   FSDP2_DRIVER, tmp_path)
-    assert run.returncode == 0 and "round trips ok" in run.stdout, run.output
+    """The sharding, the tensor parallel plan, the step and the checkpointers, copied alone: a
+    tensor parallel step has FSDP's loss and gradient norm, and a checkpoint saved by either
+    layout loads into the other bit for bit, in every format."""
+    run = run_copy(tmp_path, "fsdp2_transformer.py", FSDP2_UNITS, FSDP2_DRIVER, tmp_path)
+    assert run.returncode == 0 and "round trips across layouts ok" in run.stdout, run.output
 
 
 MNIST_DRIVER = job("""
@@ -270,7 +288,6 @@ def test_a_unit_that_calls_a_safeguard_does_not_run_copied(tmp_path):
     step = "    optimizer.zero_grad()\n"
     assert step in text
     broken = text.replace(step, step + "    describe_fsdp(model)\n", 1)
-    run = run_copy(tmp_path, "fsdp2_transformer.py",
-                   ["shard_model", "train_step", "Checkpointer", "rank_batch", "task_rules"],
-                   FSDP2_DRIVER, tmp_path, text=broken)
+    run = run_copy(tmp_path, "fsdp2_transformer.py", FSDP2_UNITS, FSDP2_DRIVER, tmp_path,
+                   text=broken)
     assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output

@@ -190,7 +190,9 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
 
 def reduce_scatters_in_one_step(grad_accum_steps):
     config = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
-    model = script.shard_model(config, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+    with torch.device("meta"):
+        model = script.Transformer(**config)
+    model = script.shard_model(model, torch.device("cpu"), init_device_mesh("cpu", (2,)))
     optimizer = torch.optim.AdamW(model.parameters())
     tokens = script.rank_batch(script.task_rules(64, 0), 12, 16, 0, dist.get_rank(), 2, 1)
     calls[0] = 0
@@ -341,13 +343,14 @@ def test_help_explains_every_flag(help_text):
              "--grad-accum-steps", "--dcp-api", "--checkpoint-dir", "--save-every", "--no-resume",
              "--log-every", "--world-size", "--dist-timeout", "--metrics-json",
              "--checkpoint-format", "--async-checkpoint", "--replicate-degree",
-             "--activation-checkpointing", "--compile"]
+             "--activation-checkpointing", "--compile", "--tp-degree"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f"{f} " not in text and f"{f}," not in text] == []
     assert "(default: 200)" in text and "(default: 1.0)" in text
     # the torchtitan equivalent of each flag torchtitan users expect
     for torchtitan in ("--checkpoint.enable", "--checkpoint.async_mode async",
-                       "--parallelism.data_parallel_replicate_degree", "--compile.enable"):
+                       "--parallelism.data_parallel_replicate_degree", "--compile.enable",
+                       "--parallelism.tensor_parallel_degree"):
         assert torchtitan in text, torchtitan
 
 

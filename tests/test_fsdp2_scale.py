@@ -180,8 +180,10 @@ import fsdp2_transformer as script
 
 def saved_bytes(activation_checkpointing):
     config = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, seq_len=16)
-    model = script.shard_model(config, torch.device("cpu"), init_device_mesh("cpu", (1,)),
-                               activation_checkpointing=activation_checkpointing)
+    with torch.device("meta"):
+        model = script.Transformer(**config)
+    model.activation_checkpointing = activation_checkpointing
+    model = script.shard_model(model, torch.device("cpu"), init_device_mesh("cpu", (1,)))
     tokens = script.global_batch(script.task_rules(64, 0), 1, 8, 16, 0)
     saved = []  # every tensor autograd keeps for backward, outside recomputed regions
     def pack(tensor):
