@@ -897,16 +897,22 @@ if "lora" in args.only:
                     for curve in curves if curve["label"] == c["curve"]]
         sys.path.insert(0, str(REPO / "benchmarks"))
         from t5_memory import draw
-        draw(args.lora_plot,
-             f"T5 with t5-base's shape ({parameters / 1e6:.1f}M parameters): memory per rank, "
-             "AdamW, fp32 compute, batch 4 x (64 + 24) tokens per rank",
-             curves, measured,
-             note="Lines: the script's --plan at each world size (the training state exact, the "
-                  "peak an estimate of the device memory training needs). FULL_SHARD and "
-                  "SHARD_GRAD_OP, FSDP1 and FSDP2 hold the same training state: their lines lie "
-                  "on each other (FSDP2's pads each tensor: a little more at 32-64 ranks). "
-                  "Markers: measured at world size 2 on CPU, where the peak RSS also holds "
-                  "Python, torch and the whole model each rank loads before sharding.")
+        shape = Path(str(lora_model)).name if args.lora_model else "t5-base's shape"
+        try:  # a picture that fails must not take the tables of the runs with it
+            draw(args.lora_plot,
+                 f"T5, {shape} ({parameters / 1e6:.1f}M parameters): memory per rank, AdamW, "
+                 "fp32 compute, batch 4 x (64 + 24) tokens per rank",
+                 curves, measured,
+                 note="Lines: the script's --plan at each world size (the training state exact, "
+                      "the peak an estimate of the device memory training needs). FULL_SHARD "
+                      "and SHARD_GRAD_OP, FSDP1 and FSDP2 hold the same training state: their "
+                      "lines lie on each other (FSDP2's pads each tensor: a little more at 32-64 "
+                      "ranks). Markers: measured at world size 2 on CPU, where the peak RSS also "
+                      "holds Python, torch and the whole model each rank loads before sharding.")
+        except Exception as e:
+            log(f"error: the picture {args.lora_plot} could not be drawn: {e!r}")
+            failures.append({"benchmark": "lora", "device": "cpu", "world_size": "1-64",
+                             "name": "picture", "repeat": "-", "error": repr(e)})
         link = os.path.relpath(args.lora_plot, Path(args.out).parent if args.out else ".")
         out += [f"\n![Memory per rank against world size: --plan's curves and the measured runs]"
                 f"({link})\n"]
