@@ -10,7 +10,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --smoke --repeats 1 --only fsdp2 --fsdp2-steps 10  # not for quoting
     python benchmarks/run.py --only fsdp2-gpu      # C1B (1B parameters) on one GPU
     python benchmarks/run.py --only checkpoint --thread-writer-script old/fsdp2_transformer.py
-    python benchmarks/run.py --only lora --lora-plot benchmarks/t5_memory.png  # about 45 min
+    python benchmarks/run.py --only lora --lora-plot benchmarks/t5_memory.png  # 33 min, 2 cores
     python benchmarks/run.py --only lora --dry-run     # the commands it would run; runs nothing
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
@@ -28,7 +28,7 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   writer process (--async-checkpoint); --thread-writer-script adds a row for another copy of the
   script (the thread writer of main before issue 34). Its runs take turns (one of each
   configuration, then again), so that the machine's drift touches every row alike.
-- LoRA (world size 2, CPU, fp32 compute, only when asked for: about 45 minutes on 2 cores): a
+- LoRA (world size 2, CPU, fp32 compute, only when asked for: 33 minutes on 2 cores): a
   t5-base-shaped T5 (198M parameters, random weights, written by tests/tiny_wikihow.py), full
   fine-tuning and LoRA (rank 16 on q,v) with an fp32 and a bf16 base, under FSDP1 and FSDP2; and
   full fine-tuning with AdamW(foreach=True) and AdamW(fused=True), from copies of the script with
