@@ -11,6 +11,8 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only fsdp2-gpu      # C1B (1B parameters) on one GPU
     python benchmarks/run.py --only checkpoint --thread-writer-script old/fsdp2_transformer.py
     python benchmarks/run.py --only tp             # (dp, tp) = (4, 1), (2, 2), (1, 4) on CPU
+    python benchmarks/run.py --only lora --lora-plot benchmarks/t5_memory.png  # 33 min, 2 cores
+    python benchmarks/run.py --only lora --dry-run     # the commands it would run; runs nothing
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -29,6 +31,12 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   writer process (--async-checkpoint); --thread-writer-script adds a row for another copy of the
   script (the thread writer of main before issue 34). Its runs take turns (one of each
   configuration, then again), so that the machine's drift touches every row alike.
+- LoRA (world size 2, CPU, fp32 compute, only when asked for: 33 minutes on 2 cores): a
+  t5-base-shaped T5 (198M parameters, random weights, written by tests/tiny_wikihow.py), full
+  fine-tuning and LoRA (rank 16 on q,v) with an fp32 and a bf16 base, under FSDP1 and FSDP2; and
+  full fine-tuning with AdamW(foreach=True) and AdamW(fused=True), from copies of the script with
+  that one line changed. Its runs take turns, as the checkpoint rows do. --plan's memory per rank
+  at 1-64 ranks, with the measured runs on it, as a picture with --lora-plot (matplotlib).
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -57,7 +65,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp")
+BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -100,6 +108,38 @@ T5_CONFIGS = [(1, "FULL_SHARD", "BACKWARD_PRE"), (1, "SHARD_GRAD_OP", "BACKWARD_
               (1, "NO_SHARD", "BACKWARD_PRE"), (1, "FULL_SHARD", "BACKWARD_POST"),
               (1, "FULL_SHARD", "NONE"), (2, "FULL_SHARD", "BACKWARD_PRE"),
               (2, "SHARD_GRAD_OP", "BACKWARD_PRE")]
+# lora: t5-base's shape (d_model 768, 12 + 12 layers, 12 heads of 64, d_ff 3072, 32 relative
+# attention buckets) with random weights and the tests' tokenizer (232 ids): 198,407,424
+# parameters, 0.79 GB in fp32, made offline by tests/tiny_wikihow.py's write_tiny_t5.
+T5_BASE_SHAPE = {"d_model": 768, "num_layers": 12, "num_heads": 12, "d_kv": 64, "d_ff": 3072,
+                 "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128}
+T5_BASE_VOCAB = 32128  # t5-base's own: the picture's dotted lines (--plan needs a config only)
+# 8 articles are one step of 4 per rank: each epoch is one optimizer step (CPU steps of a 198M
+# model take seconds); samples/s is taken over the epochs after the first (warm-up, FSDP2's lazy
+# initialization), validation off.
+LORA_TRAIN_SAMPLES, LORA_EPOCHS = 8, 4
+LORA_SIZES = ["--input-length", "64", "--output-length", "24", "--batch-size", "4",
+              "--mixed-precision", "fp32", "--cpu"]  # the runs' and the plans' (batch per rank)
+LORA_RUN = ["--num-train-samples", str(LORA_TRAIN_SAMPLES), "--epochs", str(LORA_EPOCHS),
+            "--no-run-validation", "--no-save-model"]
+LORA = ["--lora-rank", "16"]  # the script's defaults otherwise: alpha 16, dropout 0.05, q,v
+LORA_ROWS = {"full fine-tuning": [], "LoRA, fp32 base": LORA,
+             "LoRA, bf16 base": [*LORA, "--base-dtype", "bf16"]}
+# The AdamW rows run a copy of t5_fsdp_finetune.py whose optimizer line ends in this, changed to
+# pass foreach=True or fused=True (CPU AdamW steps tensor by tensor by default).
+ADAMW_LINE_END = "lr=args.lr)"
+ADAMW_VARIANTS = ("foreach", "fused")
+# The picture's curves: --plan's flags beside LORA_SIZES, and how each is drawn.
+LORA_CURVES = {f"{row}, FSDP{version} FULL_SHARD": [*flags, "--fsdp-version", str(version)]
+               for row, flags in LORA_ROWS.items() for version in (1, 2)}
+LORA_CURVES.update({"full fine-tuning, FSDP1 SHARD_GRAD_OP": ["--sharding-strategy",
+                                                               "SHARD_GRAD_OP"],
+                    "full fine-tuning, FSDP1 NO_SHARD (as DDP)": ["--sharding-strategy",
+                                                                  "NO_SHARD"]})
+CURVE_COLOURS = {"full fine-tuning": "tab:blue", "LoRA, fp32 base": "tab:green",
+                 "LoRA, bf16 base": "tab:purple", "SHARD_GRAD_OP": "tab:orange",
+                 "NO_SHARD": "black"}
+PLAN_WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -194,6 +234,34 @@ def mnist_train_samples(data_dir):
         return int.from_bytes(f.read(8)[4:], "big")
 
 
+def add_lora_flags(parser):
+    add = parser.add_argument
+    add("--lora-model", default=None, metavar="DIR",
+        help="lora: a T5 directory instead of the t5-base-shaped random model (unset: written "
+             "into the temporary folder, 0.79 GB)")
+    add("--lora-adamw", nargs="*", choices=ADAMW_VARIANTS, default=list(ADAMW_VARIANTS),
+        metavar="OPTION", help="lora: full fine-tuning also with AdamW(OPTION=True), any of "
+        f"{', '.join(ADAMW_VARIANTS)} (none: no such rows)")
+    add("--lora-plot", default=None, metavar="PNG",
+        help="lora: draw memory per rank against world size (--plan, and the measured runs) "
+             "into PNG; needs matplotlib (benchmarks/requirements.txt)")
+
+
+def adamw_copy(folder, option):
+    """A copy of t5_fsdp_finetune.py (and the module it imports) in folder whose AdamW takes
+    option=True; None when the script's optimizer line is not the one expected."""
+    text = (REPO / "t5_fsdp_finetune.py").read_text()
+    lines = [line for line in text.splitlines()
+             if "optim.AdamW(" in line and line.endswith(ADAMW_LINE_END)]
+    if len(lines) != 1:
+        return None
+    folder.mkdir()
+    shutil.copy(REPO / "summarization_dataset.py", folder)
+    changed = lines[0][:-1] + f", {option}=True)"
+    (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
+    return folder / "t5_fsdp_finetune.py"
+
+
 def figures_of(config, metrics, stdout):
     """One run's figures, in the units of the tables (which show their medians over the runs).
 
@@ -229,6 +297,10 @@ def figures_of(config, metrics, stdout):
         figures.update(tokens_per_s=metrics["tokens_per_s"], mfu=metrics["mfu"],
                        tflops=metrics["tflops_per_gpu"], first_pause_s=stalls[0],
                        later_pause_s=stalls[1] if len(stalls) > 1 else None)  # step 200's
+    elif config["benchmark"] == "lora":  # an epoch is one step: the steady samples/s
+        figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
+        figures["samples_per_s"] = LORA_TRAIN_SAMPLES / figures["epoch_s"]
+        figures["loaded_mib"] = max(metrics["peak_memory_after_loading_per_rank"]) / MIB
     else:
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = metrics["samples_per_s"]
@@ -241,8 +313,8 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
-                    "(checkpoint, tp and fsdp2-gpu, a 1B-parameter model on one GPU, only when "
-                    "asked for)")
+                    "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU) and lora only "
+                    "when asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -276,10 +348,14 @@ parser.add_argument("--fsdp2-options", nargs="+", choices=list(FSDP2_OPTIONS),
 parser.add_argument("--thread-writer-script", default=None, metavar="FILE",
                     help="checkpoint: also run this copy of fsdp2_transformer.py with "
                          "--async-checkpoint (e.g. main before issue 34, whose writer is a thread)")
+add_lora_flags(parser)
 parser.add_argument("--no-gpu", action="store_true",
                     help="skip the GPU runs even when a CUDA GPU is visible")
 parser.add_argument("--timeout", type=int, default=900, metavar="S",
                     help="seconds before a run counts as failed")
+parser.add_argument("--dry-run", action="store_true",
+                    help="print every run's command and exit, running nothing (lora: not even "
+                         "writing its 198M model or running --plan)")
 args = parser.parse_args()
 if args.repeats < 3 and not args.smoke:
     parser.error(f"--repeats {args.repeats}: a median needs at least 3 runs; "
@@ -291,6 +367,11 @@ for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs", "timeout"):
         parser.error(f"--{flag.replace('_', '-')} must be at least 1")
 if args.fsdp2_world_sizes and min(args.fsdp2_world_sizes) < 1:
     parser.error("--fsdp2-world-sizes must be at least 1")
+if "lora" in args.only and args.lora_plot and not args.dry_run:
+    try:
+        import matplotlib  # noqa: F401  (drawn by t5_memory.py, after the runs)
+    except ImportError:
+        parser.error("--lora-plot needs matplotlib: pip install -r benchmarks/requirements.txt")
 if "fsdp2-gpu" in args.only and (args.no_gpu or not torch.cuda.is_available()):
     parser.error("fsdp2-gpu runs a 1B-parameter model on a CUDA GPU, and none is visible here")
 
@@ -337,6 +418,40 @@ if "t5" in args.only and not (wikihow_dir and t5_model):
                  + " (tests/tiny_wikihow.py)")
     # The datasets library caches each CSV it reads; keep the fixture's cache out of the user's.
     env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
+
+if "lora" in args.only:
+    lora_model = args.lora_model  # a local folder made absolute: each run has its own folder
+    if lora_model and os.path.exists(lora_model):
+        lora_model = os.path.abspath(lora_model)
+    lora_data = wikihow_dir
+    if not lora_data:  # the t5 benchmark's fixture when it runs too, else the CSV alone
+        lora_data = tmp / "wikihow"
+        log(f"Writing the WikiHow fixture (tests/tiny_wikihow.py) to {lora_data}")
+        write_fixture("WikiHow", ["-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                                  "import tiny_wikihow; tiny_wikihow.write_wikihow(sys.argv[2])",
+                                  REPO / "tests", lora_data])
+        env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
+    plan_models = {"measured": lora_model}  # what --plan reads: config.json
+    if not lora_model:
+        lora_model = plan_models["measured"] = tmp / "t5-base-shape"
+        plan_models[f"vocab {T5_BASE_VOCAB}"] = tmp / "t5-base-vocab"
+        if not args.dry_run:
+            log(f"Writing a t5-base-shaped random T5 (198M parameters, 0.79 GB; "
+                f"tests/tiny_wikihow.py) to {lora_model}")
+            write_fixture("t5-base-shaped T5", [
+                "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); import tiny_wikihow; "
+                "tiny_wikihow.write_tiny_t5(sys.argv[2], **json.loads(sys.argv[3]))",
+                REPO / "tests", lora_model, json.dumps(T5_BASE_SHAPE)])
+            config_json = json.loads((lora_model / "config.json").read_text())
+            (tmp / "t5-base-vocab").mkdir()
+            (tmp / "t5-base-vocab" / "config.json").write_text(
+                json.dumps({**config_json, "vocab_size": T5_BASE_VOCAB}))
+    lora_source = (f"Model {lora_model}" if args.lora_model else
+                   "Model: t5-base's shape with random weights and the tests' 232-token "
+                   "vocabulary (tests/tiny_wikihow.py's write_tiny_t5, "
+                   + ", ".join(f"{k} {v}" for k, v in T5_BASE_SHAPE.items()) + ")")
+    lora_source += (f", WikiHow from {lora_data}" if args.wikihow_dir
+                    else ", data the WikiHow-format fixture CSV of the tests")
 
 # ----------------------------------------------------------------------------------- configurations
 # One entry per table row: which script, how many processes, on which device, with which flags.
@@ -418,24 +533,80 @@ if "fsdp2-gpu" in args.only:  # world size 1 on the first GPU; the checkpoints i
                                  "--log-every", "10",
                                  *(["--checkpoint-dir", "ckpt"] if saves else [])]})
 
+if "lora" in args.only:  # world size 2 on CPU; the rows take turns
+    lora_runs = [(row, version, None, "t5_fsdp_finetune.py") for row in LORA_ROWS
+                 for version in (1, 2)]
+    for option in args.lora_adamw:
+        script = adamw_copy(tmp / f"adamw-{option}", option)
+        if script is None:
+            log(f"error: t5_fsdp_finetune.py has no single optim.AdamW(...) line ending in "
+                f"{ADAMW_LINE_END!r} any more: update ADAMW_LINE_END in benchmarks/run.py, or "
+                "pass --lora-adamw with nothing")
+            sys.exit(1)
+        lora_runs += [("full fine-tuning", version, option, str(script)) for version in (1, 2)]
+    for row, version, adamw, script in lora_runs:
+        configs.append({"benchmark": "lora", "device": "cpu", "world_size": 2,
+                        "name": f"{row}, FSDP{version}"
+                        + (f", AdamW({adamw}=True)" if adamw else ""),
+                        "row": row, "fsdp_version": version, "adamw": adamw,
+                        "curve": f"{row}, FSDP{version} FULL_SHARD", "script": script,
+                        "args": ["--model-name", str(lora_model), "--data-dir", str(lora_data),
+                                 *LORA_SIZES, *LORA_RUN, *LORA_ROWS[row],
+                                 "--fsdp-version", str(version)]})
+    # The picture's and the table's plans: every curve at every world size, each model
+    plan_keys = [(model, curve, world_size) for model in plan_models for curve in LORA_CURVES
+                 for world_size in PLAN_WORLD_SIZES]
+    plan_argvs = [["--plan", "--world-size", str(world_size), "--model-name",
+                   str(plan_models[model]), *LORA_SIZES, *LORA_CURVES[curve]]
+                  for model, curve, world_size in plan_keys]
+
+
+def command_of(config, metrics_path):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
+            *config["args"], "--metrics-json", str(metrics_path)]
+
+
+if args.dry_run:
+    for config in configs:
+        print(shlex.join(command_of(config, "metrics.json")))
+    for model, curve in dict.fromkeys(key[:2] for key in plan_keys) if "lora" in args.only else ():
+        sizes = " ".join(map(str, PLAN_WORLD_SIZES))  # one line per curve, not 7
+        print(shlex.join(["python", str(REPO / "t5_fsdp_finetune.py"), "--plan", "--world-size",
+                          "N", "--model-name", str(plan_models[model]), *LORA_SIZES,
+                          *LORA_CURVES[curve]]) + f"  # N in {sizes}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    sys.exit(0)
+
+if "lora" in args.only:  # before the runs: a --plan that fails, fails in seconds
+    log(f"--plan for {len(plan_argvs)} configurations (benchmarks/t5_memory.py)")
+    (tmp / "plan-runs.json").write_text(json.dumps(plan_argvs))
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "t5_memory.py",
+                           REPO / "t5_fsdp_finetune.py", tmp / "plan-runs.json",
+                           tmp / "plans.json"], cwd=tmp, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log(f"error: --plan failed:\n{stderr_tail(proc.stderr)}")
+        sys.exit(1)
+    lora_plans = dict(zip(plan_keys, json.loads((tmp / "plans.json").read_text())))
+
 # --------------------------------------------------------------------------------------------- runs
 runs, failures = [], []
 total = len(configs) * args.repeats
 for config in configs:
     config["figures"], config["failed"] = [], False  # one dict per successful run
-# The checkpoint rows take turns (each configuration once, then again); the others run in a row.
+# The checkpoint and lora rows take turns (each configuration once, then again); the others run
+# in a row.
+TURNS = ("checkpoint", "lora")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
-            if config["benchmark"] == "checkpoint"]
-schedule += [(config, repeat) for config in configs if config["benchmark"] != "checkpoint"
+            if config["benchmark"] in TURNS]
+schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
              for repeat in range(1, args.repeats + 1)]
 for config, repeat in schedule:
     if not config["failed"]:
         # Whatever a script writes lands in its own folder.
         workdir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
         metrics_path = workdir / "metrics.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
-                   *config["args"], "--metrics-json", str(metrics_path)]
+        command = command_of(config, metrics_path)
         label = (f"{config['benchmark']} {config['device']} world size {config['world_size']} "
                  f"{config['name']}")
         log(f"[{len(runs) + 1}/{total}] {label}, run {repeat}/{args.repeats}")
@@ -680,6 +851,105 @@ if "fsdp2-gpu" in args.only:
             f"{UPSTREAM_C1B_TOKENS_PER_S:,} tokens/s on an H100 (issue 19). A pause is how long "
             "training stopped for a save; the later one is the save at step 200's, step 201's "
             "wait for its copy included.\n", markdown_table(headers, rows)]
+
+if "lora" in args.only:
+    full = {version: find("lora", "cpu", row="full fine-tuning", fsdp_version=version, adamw=None)
+            for version in (1, 2)}
+    parameters = lora_plans[("measured", next(iter(LORA_CURVES)), 1)]["parameters"]
+    headers = ["configuration", "FSDP", "train state / rank (MiB)", "vs full FSDP1",
+               "--plan's train state (MiB)", "RSS after loading / rank (MiB)",
+               "peak RSS / rank (MiB)", "vs full FSDP1", "train samples/s", "vs full FSDP1"]
+    rows = []
+    for c in (c for c in configs if c["benchmark"] == "lora" and not c["adamw"]):
+        planned = lora_plans[("measured", c["curve"], 2)]["train_state_bytes"] / MIB
+        rows.append([c["row"] + (" (FAILED)" if c["failed"] else ""), c["fsdp_version"],
+                     fmt(median(c, "state_mib"), ".1f"),
+                     fmt(ratio(median(c, "state_mib"), median(full[1], "state_mib")), ".3f"),
+                     f"{planned:.1f}", fmt(median(c, "loaded_mib"), ".0f"),
+                     fmt(median(c, "peak_mib"), ".0f"),
+                     fmt(ratio(median(c, "peak_mib"), median(full[1], "peak_mib")), ".2f"),
+                     fmt(median(c, "samples_per_s"), ".3f"),
+                     fmt(ratio(median(c, "samples_per_s"), median(full[1], "samples_per_s")),
+                         ".2f")])
+    out += ["\n### T5: LoRA against full fine-tuning, FSDP1 and FSDP2 (CPU, gloo)\n",
+            f"{lora_source}: {parameters:,} parameters. World size 2, `{' '.join(LORA_SIZES)} "
+            f"{' '.join(LORA_RUN)}`; LoRA `{' '.join(LORA)}` on q,v (alpha 16, dropout 0.05), the "
+            f"bf16 base with `--base-dtype bf16`; {runs_said}, the configurations taking turns. "
+            "Each epoch is one optimizer step of 4 articles per rank; train samples/s is "
+            f"{LORA_TRAIN_SAMPLES} / the median epoch after the first. --plan's train state is "
+            "what `--plan` predicts for the same flags; RSS after loading is each rank's peak "
+            "once the model is loaded and sharded, before training.\n",
+            markdown_table(headers, rows)]
+    if args.lora_adamw:
+        headers = ["FSDP", "AdamW", "time / step (s)", "train samples/s",
+                   "vs FSDP1, default AdamW", "vs FSDP1, same AdamW",
+                   "vs the same FSDP, default AdamW", "peak RSS / rank (MiB)"]
+        rows = []
+        for version in (1, 2):
+            for adamw in (None, *args.lora_adamw):
+                c, fsdp1 = (find("lora", "cpu", row="full fine-tuning", fsdp_version=v,
+                                 adamw=adamw) for v in (version, 1))
+                rows.append([version, ("default (on CPU: one tensor at a time)" if adamw is None
+                                       else f"{adamw}=True")
+                             + (" (FAILED)" if c["failed"] else ""),
+                             fmt(median(c, "epoch_s"), ".2f"),
+                             fmt(median(c, "samples_per_s"), ".3f")]
+                            + [fmt(ratio(median(c, "samples_per_s"),
+                                         median(baseline, "samples_per_s")), ".2f")
+                               for baseline in (full[1], fsdp1, full[version])]
+                            + [fmt(median(c, "peak_mib"), ".0f")])
+        out += ["\n### T5: FSDP2 against FSDP1, and AdamW's foreach and fused (CPU, gloo)\n",
+                "Full fine-tuning, as in the table above; the foreach and fused rows run a copy of "
+                "t5_fsdp_finetune.py (written into the harness's temporary folder) whose "
+                "`optim.AdamW(...)` also passes `foreach=True` or `fused=True`. A step is one "
+                f"epoch (the median after the first); {runs_said}, all rows taking turns.\n",
+                markdown_table(headers, rows)]
+    if args.lora_plot:
+        curves = []
+        for model, width, dots in (("measured", 2, None), (f"vocab {T5_BASE_VOCAB}", 1, ":")):
+            if model not in plan_models:
+                continue
+            for curve in LORA_CURVES:
+                plans = [lora_plans[(model, curve, n)] for n in PLAN_WORLD_SIZES]
+                colour = next(v for k, v in reversed(CURVE_COLOURS.items()) if k in curve)
+                curves.append({"label": curve, "colour": colour, "linewidth": width,
+                               "linestyle": dots or ("--" if "FSDP2" in curve else "-"),
+                               "in_legend": model == "measured", "world_sizes": PLAN_WORLD_SIZES,
+                               "train_state": [plan["train_state_bytes"] for plan in plans],
+                               "peak": [plan["peak_bytes"] for plan in plans]})
+        if len(plan_models) > 1:  # the dotted lines' legend entry
+            vocab = lora_plans[(f"vocab {T5_BASE_VOCAB}", next(iter(LORA_CURVES)), 1)]
+            curves.append({"label": f"dotted: t5-base's own {T5_BASE_VOCAB:,}-token vocabulary "
+                           f"({vocab['parameters'] / 1e6:.1f}M parameters)", "colour": "gray",
+                           "linestyle": ":", "linewidth": 1, "world_sizes": [],
+                           "train_state": [], "peak": []})
+        measured = [{"label": c["name"], "colour": curve["colour"], "world_size": 2,
+                     "train_state": median(c, "state_mib") * MIB,
+                     "peak": median(c, "peak_mib") * MIB}
+                    for c in configs if c["benchmark"] == "lora" and not c["adamw"]
+                    and median(c, "state_mib") is not None
+                    for curve in curves if curve["label"] == c["curve"]]
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from t5_memory import draw
+        shape = Path(str(lora_model)).name if args.lora_model else "t5-base's shape"
+        try:  # a picture that fails must not take the tables of the runs with it
+            draw(args.lora_plot,
+                 f"T5, {shape} ({parameters / 1e6:.1f}M parameters): memory per rank, AdamW, "
+                 "fp32 compute, batch 4 x (64 + 24) tokens per rank",
+                 curves, measured,
+                 note="Lines: the script's --plan at each world size (the training state exact, "
+                      "the peak an estimate of the device memory training needs). FULL_SHARD "
+                      "and SHARD_GRAD_OP, FSDP1 and FSDP2 hold the same training state: their "
+                      "lines lie on each other (FSDP2's pads each tensor: a little more at 32-64 "
+                      "ranks). Markers: measured at world size 2 on CPU, where the peak RSS also "
+                      "holds Python, torch and the whole model each rank loads before sharding.")
+        except Exception as e:
+            log(f"error: the picture {args.lora_plot} could not be drawn: {e!r}")
+            failures.append({"benchmark": "lora", "device": "cpu", "world_size": "1-64",
+                             "name": "picture", "repeat": "-", "error": repr(e)})
+        link = os.path.relpath(args.lora_plot, Path(args.out).parent if args.out else ".")
+        out += [f"\n![Memory per rank against world size: --plan's curves and the measured runs]"
+                f"({link})\n"]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"

@@ -85,3 +85,40 @@ def test_a_failed_run_is_shown_and_fails_the_harness(harness):
     assert (row["options"] == "plain (FAILED)" and row["tokens/s"] == "n/a"
             and row["state vs world size 1"] == "n/a")
     assert "1 FAILED" in markdown
+
+
+def test_lora_benchmark_runs_what_it_says():
+    """--only lora --dry-run: its commands, without writing or training the 198M model."""
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "lora",
+                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    runs = [line.split() for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    plans = [line.split() for line in proc.stdout.splitlines() if "--plan" in line]
+    rows = {(run[run.index("--fsdp-version") + 1], "--lora-rank 16" in " ".join(run),
+             "--base-dtype bf16" in " ".join(run), run[6].split("/")[-2]) for run in runs}
+    here = REPO.name  # the default AdamW runs the script itself, the others a copy
+    assert len(runs) == 10 and rows == {
+        (v, lora, bf16, here) for v in "12" for lora, bf16 in
+        ((False, False), (True, False), (True, True))} | {
+        (v, False, False, f"adamw-{option}") for v in "12" for option in ("foreach", "fused")}
+    assert all("t5-base-shape" in " ".join(run) and "--nproc_per_node 2" in " ".join(run)
+               for run in runs)
+    # 8 curves, for the measured shape and t5-base's own vocabulary
+    assert len(plans) == 16 and sum("--sharding-strategy NO_SHARD" in " ".join(plan)
+                                    for plan in plans) == 2
+
+
+def test_memory_picture_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from t5_memory import draw
+
+    sizes = [1, 2, 4]
+    curves = [{"label": "full", "colour": "tab:blue", "linestyle": "-", "world_sizes": sizes,
+               "train_state": [4e9 / n for n in sizes], "peak": [5e9 / n for n in sizes]},
+              {"label": "LoRA", "colour": "tab:green", "linestyle": "--", "world_sizes": sizes,
+               "train_state": [1e9 / n for n in sizes], "peak": [2e9 / n for n in sizes]}]
+    measured = [{"label": "full", "colour": "tab:blue", "world_size": 2, "train_state": 2e9,
+                 "peak": 4e9}]
+    path = draw(tmp_path / "memory.png", "title", curves, measured, note="a note")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -127,7 +127,8 @@ def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2, untied
     """save_pretrained a small random T5 and its tokenizer into path; return path. (The defaults:
     200 KB of weights, lm_head tied to the embedding as in t5-small; d_model 1024 and 4 layers:
     322 MB, enough to show in a process's memory.) untied: an lm_head of its own, as T5 v1.1 and
-    flan-t5 have; config: other T5Config values."""
+    flan-t5 have; config: other T5Config values (d_kv, d_ff, num_heads and the relative attention
+    buckets included)."""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration, T5Tokenizer
     from transformers.utils import logging as hf_logging
@@ -137,13 +138,14 @@ def write_tiny_t5(path, vocab_size=320, seed=0, d_model=32, num_layers=2, untied
     lines = [line for title, headline, text in articles()
              for line in (title, *headline.split("\n"), text) if line]
     tokenizer = T5Tokenizer(vocab=train_vocab(lines, vocab_size), extra_ids=0)
-    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=d_model // 2,
-                      d_ff=2 * d_model, num_layers=num_layers, num_heads=2,
-                      relative_attention_num_buckets=8,
-                      relative_attention_max_distance=32,
+    # The shape's defaults sit in the dict so that config can override them (t5-base's shape:
+    # benchmarks/run.py --only lora); passed as keywords they would be given twice.
+    config = T5Config(vocab_size=len(tokenizer), d_model=d_model, num_layers=num_layers,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       decoder_start_token_id=tokenizer.pad_token_id,
-                      **{"dropout_rate": 0.1, **config})
+                      **{"d_kv": d_model // 2, "d_ff": 2 * d_model, "num_heads": 2,
+                         "relative_attention_num_buckets": 8,
+                         "relative_attention_max_distance": 32, "dropout_rate": 0.1, **config})
     torch.manual_seed(seed)
     model = T5ForConditionalGeneration(config)
     if untied:
