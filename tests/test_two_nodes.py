@@ -1,7 +1,11 @@
 """Two nodes on one machine: two torchrun agents (--nnodes 2, one process each) that meet through
 c10d rendezvous on localhost, as two machines would. The results must be those of one node with 2
 processes."""
+import json
 import os
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,14 +16,51 @@ from conftest import (
     MNIST_TINY,
     REPO,
     TORCHRUN,
+    Run,
     copy_fsdp2_checkpoint,
     free_ports,
     run_command,
     t5_args,
 )
-from forked_torchrun import SWITCH
 
 HYBRID = ["--sharding-strategy", "HYBRID_SHARD", "--backward-prefetch", "NONE"]
+
+
+def run_agents(tmp_path, commands, envs, timeout=300, grace=60):
+    """Run the agents' commands (node 0's, node 1's), each in tmp_path/node<N> with its envs entry
+    added to the environment, as new processes (real agents: not tests/forked_torchrun.py's
+    forks, which read no PET_* variable); return their Runs. A job whose node is gone
+    leaves the other waiting: its workers in a collective (--dist-timeout), its agent at
+    torchelastic's exit barrier (300 s, pytorch/pytorch#69520). So an agent still running `grace`
+    seconds after the other ended, or any after `timeout`, is killed with its workers, and the
+    test fails showing both nodes' output rather than only the survivor's timeout."""
+    agents = []
+    for node, (command, env) in enumerate(zip(commands, envs)):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir(exist_ok=True)
+        (folder / "metrics.json").unlink(missing_ok=True)  # never read an earlier run's
+        with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
+            agents.append(subprocess.Popen(  # into files: a pipe nobody reads fills and blocks
+                [str(part) for part in command], cwd=folder, env={**os.environ, **env},
+                stdout=stdout, stderr=stderr, start_new_session=True))
+    start, ended = time.monotonic(), None
+    while any(agent.poll() is None for agent in agents):
+        if ended is None and any(agent.poll() is not None for agent in agents):
+            ended = time.monotonic()
+        now = time.monotonic()
+        if now - start > timeout or (ended is not None and now - ended > grace):
+            for agent in agents:
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)  # the agent and its workers
+        time.sleep(0.2)
+    runs = []
+    for node, agent in enumerate(agents):
+        folder = tmp_path / f"node{node}"
+        metrics = folder / "metrics.json"
+        runs.append(Run(agent.returncode, (folder / "stdout.txt").read_text(),
+                        (folder / "stderr.txt").read_text(),
+                        json.loads(metrics.read_text()) if metrics.exists() else None, folder))
+    return runs
 
 
 def run_two_nodes(tmp_path, script, *args, nproc_per_node=1):
@@ -130,18 +171,13 @@ def test_kubeflow_environment_alone_makes_two_nodes(tmp_path, cached_torchrun):
     PET_MASTER_PORT form one job of 2 ranks, with one node's losses."""
     args = [*FSDP2_TINY, "--steps", 10]
     port, = free_ports(1)
-    agents = []
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for node in (0, 1):
-            folder = tmp_path / f"node{node}"
-            folder.mkdir()
-            env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node),
-                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
-                   "OMP_NUM_THREADS": "1", SWITCH: "0"}  # real agents: they read the variables
-            command = [*TORCHRUN, REPO / "fsdp2_transformer.py", *args]
-            agents.append(pool.submit(run_command, command, folder, 300, env))
-        runs = [agent.result() for agent in agents]
-    assert [run.returncode for run in runs] == [0, 0], "\n".join(run.output for run in runs)
+    envs = [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node),
+             "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            for node in (0, 1)]
+    command = [*TORCHRUN, REPO / "fsdp2_transformer.py", *args, "--metrics-json", "metrics.json"]
+    runs = run_agents(tmp_path, [command, command], envs)
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(
+        f"node {node}: exit {run.returncode}\n{run.output}" for node, run in enumerate(runs))
     metrics = runs[0].metrics  # the static rendezvous: node rank 0 holds rank 0
     one_node = cached_torchrun("fsdp2_transformer.py", *args)
     assert metrics["world_size"] == 2 and runs[1].metrics is None
