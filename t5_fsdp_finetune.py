@@ -21,6 +21,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import shutil
 
@@ -36,6 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,6 +56,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import CustomPolicy
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -176,12 +179,14 @@ def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward
 
 
 def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_checkpointing,
-                broadcast_from_rank0=False):
+                broadcast_from_rank0=False, weights=None):
     """FSDP2 with wrap_model's units: each T5Block (with its LoRA adapters: FSDP2 makes gradients
     per parameter, and since torch 2.10 only those that train must share a dtype), then the root,
     whose group holds the embedding that encoder, decoder and a tied lm_head share (fully_shard(
     model.shared) alone is refused). The parameters become DTensor shards in place, same names.
-    broadcast_from_rank0: only rank 0's model has weights, the others are on the meta device."""
+    broadcast_from_rank0: only rank 0's model has weights, the others are on the meta device.
+    weights: a folder of safetensors from which each rank's model, on the meta device, reads its
+    shards (load_pretrained_shards): no rank holds the whole model."""
     full_state = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else {}
     if activation_checkpointing:  # as in wrap_model, but before sharding
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
@@ -189,11 +194,43 @@ def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_ch
     for module in (*model.encoder.block, *model.decoder.block, model):  # PEFT passes .encoder on
         fully_shard(module, mesh=mesh, mp_policy=mp_policy,
                     reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")  # ZeRO-2: False
-    if broadcast_from_rank0:
+    if broadcast_from_rank0 or weights:
         model.to_empty(device=device)  # this rank's shards get memory; tied ones stay one tensor
+    if weights:
+        load_pretrained_shards(model, weights)
+    elif broadcast_from_rank0:
         set_model_state_dict(model, full_state, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=True))  # each rank gets its shards
     return model
+
+
+def hf_state(model):
+    """This rank's shards (DTensors) of the sharded model, by their names in its HF files (without
+    PEFT's prefix and base_layer): the LoRA adapters left out, a tied tensor once (T5's embedding,
+    also encoder's, decoder's and a tied lm_head's)."""
+    state, storages = {}, set()
+    for name, tensor in get_model_state_dict(model).items():
+        storage = tensor.to_local().untyped_storage().data_ptr()
+        if "lora_" not in name and storage not in storages:
+            storages.add(storage)
+            state[name.removeprefix("base_model.model.").replace(".base_layer", "")] = tensor
+    return state
+
+
+def load_pretrained_shards(model, path):
+    """Each rank reads its part of the pretrained weights straight from the safetensors files in
+    path into its shards (the model sharded and materialized, shard_model): DCP's HF reader reads
+    the rows a rank holds, no rank the whole model. LoRA's adapters, which the files lack, get
+    PEFT's initialization (A Kaiming-uniform, B zero), drawn whole alike on every rank, sharded."""
+    dcp.load(hf_state(model), storage_reader=HuggingFaceStorageReader(path))
+    for name, param in model.named_parameters():
+        if "lora_A" in name or "lora_B" in name:
+            full = torch.zeros(param.shape, dtype=param.dtype)
+            if "lora_A" in name:
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+            with torch.no_grad():  # into this rank's shard
+                param.to_local().copy_(distribute_tensor(full, param.device_mesh,
+                                                         param.placements).to_local())
 
 
 # ------------------------------------------------------------------------------------------ step
@@ -346,7 +383,8 @@ def main(args, device):
     quiet_known_warnings()  # library warnings and bars that say nothing a user can act on
 
     # 1. Load the model, tokenizer and data: each node's rank 0 first (downloads, caches).
-    on_meta = args.cpu_ram_efficient_loading and dist.get_rank() > 0  # rank 0 loads weights
+    # --cpu-ram-efficient-loading: only rank 0 loads weights, or (FSDP2) none: see shard_model.
+    on_meta = bool(args.shard_weights) or (args.cpu_ram_efficient_loading and dist.get_rank() > 0)
     model, tokenizer = local_rank_zero_first(lambda: checked_model(args.model_name, on_meta))
     if args.lora_rank:  # LoRA: train small adapters beside the frozen model's weights
         model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
@@ -362,7 +400,8 @@ def main(args, device):
     # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
     strategy = apply_workarounds(model, device, fsdp_version=args.fsdp_version,
                                  sharding_strategy=args.sharding_strategy,
-                                 from_rank0=args.cpu_ram_efficient_loading)  # see Safeguards
+                                 from_rank0=args.cpu_ram_efficient_loading,
+                                 weights=args.shard_weights)  # see Safeguards
     mesh = device_mesh(device, hybrid=strategy == "HYBRID_SHARD")
     precision = mixed_precision_choice(args.mixed_precision, device)
     if args.fsdp_version == 1:
@@ -376,7 +415,8 @@ def main(args, device):
         model = shard_model(model, mesh, device, sharding_strategy=strategy,
                             mp_policy=POLICIES_FSDP2[precision],
                             activation_checkpointing=args.activation_checkpointing,
-                            broadcast_from_rank0=args.cpu_ram_efficient_loading)
+                            broadcast_from_rank0=args.cpu_ram_efficient_loading,
+                            weights=args.shard_weights)
     loaded = report_built(model, Report(args, device))  # what FSDP built, and its memory
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
@@ -529,7 +569,6 @@ import errno
 import fcntl
 import gc
 import glob
-import math
 import multiprocessing.connection
 import re
 import resource
@@ -549,7 +588,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
-from torch.distributed.tensor import DTensor
 from transformers.utils import logging as hf_logging
 
 from summarization_dataset import DOWNLOAD_HELP, WikiHowError, check_csv
@@ -609,6 +647,9 @@ def check_flags(args, device, world_size):
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
     check_lora_flags(args)
+    args.shard_weights = None  # FSDP2's --cpu-ram-efficient-loading: the folder of safetensors
+    if args.fsdp_version == 2 and args.cpu_ram_efficient_loading:
+        args.shard_weights = safetensors_folder(os.path.expanduser(args.model_name))
     if args.limit_all_gathers is None and args.fsdp_version == 1:
         args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
     args.model_name = name = os.path.expanduser(args.model_name)
@@ -636,6 +677,18 @@ def check_flags(args, device, world_size):
                              lora=args.lora)
     if problem:
         fail(problem)
+
+
+def safetensors_folder(name):
+    """The folder of --model-name's safetensors files (a directory, or the hub cache's snapshot of
+    a hub id), or None: none there (a .bin model; a hub model not downloaded yet)."""
+    if os.path.isdir(name):
+        return name if glob.glob(os.path.join(name, "*.safetensors")) else None
+    for file in ("model.safetensors", "model.safetensors.index.json"):
+        cached = huggingface_hub.try_to_load_from_cache(name, file)
+        if isinstance(cached, str):
+            return os.path.dirname(cached)
+    return None
 
 
 def check_lora_flags(args):
@@ -903,25 +956,34 @@ def mixed_precision_choice(choice, device):
     return choice
 
 
-def apply_workarounds(model, device, fsdp_version, sharding_strategy, from_rank0):
+def apply_workarounds(model, device, fsdp_version, sharding_strategy, from_rank0, weights):
     """The labelled workarounds that sharding needs (each below), applied to model before it is
-    sharded; returns the sharding strategy to use (FSDP1: strategy_to_use's)."""
-    untie_as_on_rank_0(model)
+    sharded; returns the sharding strategy to use (FSDP1: strategy_to_use's). weights: the folder
+    of safetensors that FSDP2's ranks read shard by shard (None: as loaded, or from rank 0)."""
+    untie_as_the_weights(model, weights)
     if fsdp_version == 2:
+        if from_rank0 and not weights:
+            rank0_print("--cpu-ram-efficient-loading: the model has no safetensors files (a .bin): "
+                        "rank 0 loads it whole and broadcasts each rank's shards")
         return sharding_strategy
     allow_sync_module_states_on_cpu(from_rank0, device)
     return strategy_to_use(sharding_strategy)
 
 
-def untie_as_on_rank_0(model):
+def untie_as_the_weights(model, weights):
     """Workaround: transformers 5 (5.0 to 5.23 at least) ties T5's lm_head to the embedding in a
     model built from its config (T5Config forces tie_word_embeddings=True) and unties it in
     from_pretrained only when the checkpoint holds two different tensors, as flan-t5's and T5
     v1.1's do. With --cpu-ram-efficient-loading, the ranks that build on the meta device would hold
     one parameter fewer than rank 0, and FSDP's broadcast of rank 0's weights aborts ("Received
-    data size doesn't match expected size"). Rank 0 says whether its lm_head is its own; the others
-    untie theirs to match. Remove when T5Config keeps tie_word_embeddings=False."""
+    data size doesn't match expected size"); read shard by shard (weights, a folder), the lm_head
+    would be the embedding. Rank 0 (or the files: an lm_head.weight of its own) says whether the
+    lm_head is its own; the others untie theirs to match. Remove when T5Config keeps
+    tie_word_embeddings=False."""
     untied = [model.lm_head.weight is not model.shared.weight]
+    if weights:
+        metadata = HuggingFaceStorageReader(weights).read_metadata().state_dict_metadata
+        untied = ["lm_head.weight" in metadata]
     dist.broadcast_object_list(untied, src=0)
     if untied[0] and model.lm_head.weight is model.shared.weight:
         model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight),
