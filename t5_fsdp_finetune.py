@@ -535,8 +535,8 @@ def parse_args(argv=None):
     add("--limit-all-gathers", action=on_off, help="rate-limit FSDP1's all-gathers so that "
         "prefetching cannot exhaust GPU memory (default: on; FSDP2 limits its own, and refuses it)")
     add("--cpu-ram-efficient-loading", action="store_true",
-        help="only rank 0 loads the pretrained weights; the others build the model on the meta "
-             "device and get them from rank 0 (FSDP1: sync_module_states; FSDP2: broadcast)")
+        help="FSDP1: only rank 0 loads the weights, the others get them (sync_module_states); "
+             "FSDP2: every rank reads its shards from the model's safetensors, none the whole model")
     add = parser.add_argument_group("checkpointing").add_argument
     add("--save-model", action=on_off, default=True,
         help="save the model when the validation loss improves: T5-model-<date>-<epoch>-<loss>.pt "

@@ -174,9 +174,12 @@ def test_mnist_units_run_copied_alone(tmp_path, script, wrap, save):
 
 
 T5_DRIVER = job("""
+from safetensors import safe_open
+
 device = torch.device("cpu")
 model_dir, data_dir, out = sys.argv[1:4]
 version, broadcast, lora = int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
+shards = sys.argv[7] == "1"  # FSDP2: every rank reads its shards from the model's safetensors
 if version == 1 and broadcast:  # the script's workaround (a safeguard): FSDP1 refuses CPU tensors
     torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states = (
         lambda states: None)
@@ -184,13 +187,17 @@ if version == 1 and broadcast:  # the script's workaround (a safeguard): FSDP1 r
 
 def loaded(on_meta=False):
     model, tokenizer = load_model_and_tokenizer(model_dir, on_meta=on_meta)
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as files:
+        untied = "lm_head.weight" in files.keys()
+    if on_meta and untied:  # the script's untie_as_the_weights (a safeguard): transformers ties
+        model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight))
     if lora:
         model = add_lora(model, 4, alpha=8, dropout=0.0, targets=["q", "v"],
                          base_dtype=torch.float32)
     return model, tokenizer
 
 
-model, tokenizer = loaded(on_meta=broadcast and rank > 0)  # broadcast: weights from rank 0
+model, tokenizer = loaded(on_meta=shards or (broadcast and rank > 0))  # broadcast: from rank 0
 tied = model.lm_head.weight is model.shared.weight
 train_set, val_set = load_data(tokenizer, data_dir, 64, 24, num_train=16, num_val=8)
 loader = rank_loader(train_set, 4, device, shuffle=True)
@@ -198,7 +205,7 @@ val_loader = rank_loader(val_set, 4, device)
 mesh = device_mesh(device, hybrid=False)
 
 
-def sharded(model, broadcast=False):
+def sharded(model, broadcast=False, shards=False):
     if version == 1:
         return wrap_model(model, mesh, device, sharding_strategy="FULL_SHARD",
                           mixed_precision=POLICIES["fp32"], backward_prefetch="BACKWARD_PRE",
@@ -206,10 +213,10 @@ def sharded(model, broadcast=False):
                           sync_module_states=broadcast)
     return shard_model(model, mesh, device, sharding_strategy="FULL_SHARD",
                        mp_policy=POLICIES_FSDP2["fp32"], activation_checkpointing=True,
-                       broadcast_from_rank0=broadcast)
+                       broadcast_from_rank0=broadcast, weights=model_dir if shards else None)
 
 
-model = sharded(model, broadcast)
+model = sharded(model, broadcast, shards)
 if version == 2:  # FSDP2 keeps the modules: materialized and loaded, the head is still tied
     assert (model.lm_head.weight is model.shared.weight) == tied
 optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.002)
@@ -261,22 +268,24 @@ T5_UNITS = ["load_model_and_tokenizer", "add_lora", "load_data", "rank_loader", 
 
 
 @pytest.mark.parametrize("version, model", [
-    (1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"), (2, "untied, LoRA")])
+    (1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"),
+    (2, "untied, read shard by shard, LoRA")])
 def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, version,
                                    model):
     """wrap_model (FSDP1) or shard_model (FSDP2) copied alone with the units around them: a tied
     T5 (t5-small style) whose weights only rank 0 loads (FSDP1: materialize_on and
-    sync_module_states; FSDP2: broadcast), and an untied one (flan-t5 style); with LoRA adapters
-    (add_lora) on two of them. The exports open with from_pretrained (and PEFT's adapters with
+    sync_module_states; FSDP2: broadcast), and an untied one (flan-t5 style) whose ranks read
+    their shards from its safetensors (load_pretrained_shards); with LoRA adapters (add_lora) on
+    two of them. The exports open with from_pretrained (and PEFT's adapters with
     PeftModel.from_pretrained), and their logits equal the sharded model's; the sharded
     checkpoint (with LoRA, of the adapters alone) round-trips into a freshly loaded model."""
     shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
-    units = T5_UNITS + (["wrap_model", "POLICIES"] if version == 1
-                        else ["shard_model", "POLICIES_FSDP2"])
+    units = T5_UNITS + (["wrap_model", "POLICIES"] if version == 1 else [
+        "shard_model", "POLICIES_FSDP2", "hf_state", "load_pretrained_shards"])
     tied = model.startswith("tied")
     run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER,
                    tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, version,
-                   int("rank 0" in model), int("LoRA" in model))
+                   int("rank 0" in model), int("LoRA" in model), int("shard by shard" in model))
     assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
     assert (tmp_path / "best.pt").exists() and not list(tmp_path.glob("*.tmp"))
 

@@ -34,8 +34,10 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # T5's is 60 above its 460 (issue 41): LoRA (add_lora, the adapters' FSDP1 units, exports of the
 # adapters and of the merged model, checkpoints of what trains, 5 flags), the mesh that main passes
 # (device_mesh), FSDP1's meta-device param_init_fn (materialize_on, from the safeguards) and the
-# loaders (rank_loader), which keep main as short as before LoRA.
-BUDGETS = {"fsdp2_transformer.py": 570, "t5_fsdp_finetune.py": 520, "fsdp1_mnist.py": 250,
+# loaders (rank_loader), which keep main as short as before LoRA. And 40 more (issue 43, its whole
+# allowance): FSDP2's ranks read their shards of the pretrained weights from its safetensors
+# (hf_state, load_pretrained_shards with the LoRA adapters' initialization, and their imports).
+BUDGETS = {"fsdp2_transformer.py": 570, "t5_fsdp_finetune.py": 560, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
@@ -54,7 +56,7 @@ ESSENTIAL = {
         "apply_activation_checkpointing(", "BackwardPrefetch", "ShardingStrategy",
         "get_model_state_dict(", "dcp.save(", "dcp.load(", "DistributedSampler(",
         "optim.AdamW(", "StepLR(", "fully_shard(", "init_device_mesh(", "LoraConfig(",
-        "get_peft_model(", ".merge_and_unload(", "set_state_dict("],
+        "get_peft_model(", ".merge_and_unload(", "set_state_dict(", "HuggingFaceStorageReader("],
     "fsdp1_mnist.py": [
         "FSDP(", "size_based_auto_wrap_policy", "ShardingStrategy", "BackwardPrefetch",
         "CPUOffload(", "get_model_state_dict(", "DistributedSampler(", "optim.Adadelta(",
