@@ -536,7 +536,7 @@ def parse_args(argv=None):
         "prefetching cannot exhaust GPU memory (default: on; FSDP2 limits its own, and refuses it)")
     add("--cpu-ram-efficient-loading", action="store_true",
         help="FSDP1: only rank 0 loads the weights, the others get them (sync_module_states); "
-             "FSDP2: every rank reads its shards from the model's safetensors, none the whole model")
+             "FSDP2: every rank reads its shards of the model's safetensors, none all of it")
     add = parser.add_argument_group("checkpointing").add_argument
     add("--save-model", action=on_off, default=True,
         help="save the model when the validation loss improves: T5-model-<date>-<epoch>-<loss>.pt "
