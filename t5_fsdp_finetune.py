@@ -218,10 +218,10 @@ def hf_state(model):
 
 
 def load_pretrained_shards(model, path):
-    """Each rank reads its part of the pretrained weights straight from the safetensors files in
-    path into its shards (the model sharded and materialized, shard_model): DCP's HF reader reads
-    the rows a rank holds, no rank the whole model. LoRA's adapters, which the files lack, get
-    PEFT's initialization (A Kaiming-uniform, B zero), drawn whole alike on every rank, sharded."""
+    """Each rank reads its part of the pretrained weights from the safetensors files in path into
+    its shards (the model sharded, materialized): DCP's HF reader reads the rows a rank holds, no
+    rank the whole model. LoRA's adapters, not in the files, get PEFT's initialization (A Kaiming-
+    uniform, B zero; other draws than PEFT's), drawn whole alike on every rank, then sharded."""
     dcp.load(hf_state(model), storage_reader=HuggingFaceStorageReader(path))
     for name, param in model.named_parameters():
         if "lora_A" in name or "lora_B" in name:

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import t5_args, warning_lines
+from conftest import LORA, t5_args, warning_lines
 
 SCRIPT = "t5_fsdp_finetune.py"
 SHARD_BY_SHARD = ["--cpu-ram-efficient-loading", "--fsdp-version", 2]  # test_t5.py's order: one run
@@ -53,8 +53,9 @@ def test_every_rank_reads_the_pretrained_weights(t5_run, tiny_t5_dir, untied_t5_
     run = t5_run(model_dir, *SHARD_BY_SHARD, *FROZEN, epochs=1)
     assert_same_tensors(torch.load(run.metrics["checkpoint_pt"], weights_only=True),
                         T5ForConditionalGeneration.from_pretrained(model_dir).state_dict())
-    exported = hf_tensors(run.metrics["checkpoint"])
-    assert_same_tensors(exported, hf_tensors(model_dir))
+    exported, files = hf_tensors(run.metrics["checkpoint"]), hf_tensors(model_dir)
+    # (the untied export names the embedding's aliases too: its config says untied)
+    assert_same_tensors({name: exported[name] for name in files}, files)
     assert ("lm_head.weight" in exported) == (model == "untied")
 
 
@@ -87,3 +88,23 @@ def test_a_model_without_safetensors_comes_from_rank_0(t5_run, tiny_t5_dir, tmp_
     assert "no safetensors" not in reference.stdout
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(reference.metrics[key], rel=1e-6)
+
+
+def test_lora_adapters_start_as_peft_starts_them(t5_run, still_t5_dir):
+    """With LoRA the files hold the base alone: each rank draws its shards of the adapters as PEFT
+    does, from the whole matrices (A Kaiming-uniform, B zero), so that the model starts as the
+    pretrained one: without training (FROZEN), its validation loss is the base model's, and its
+    adapters are PEFT's (A within +-1/sqrt(fan in), spread as a uniform's, B zero)."""
+    from safetensors.torch import load_file
+
+    lora = t5_run(still_t5_dir, *LORA, *SHARD_BY_SHARD, *FROZEN, epochs=1)
+    base = t5_run(still_t5_dir, *SHARD_BY_SHARD, *FROZEN, epochs=1)
+    assert lora.metrics["val_losses"] == pytest.approx(base.metrics["val_losses"], rel=1e-6)
+    adapters = load_file(f"{lora.metrics['adapter']}/adapter_model.safetensors")
+    a = [tensor for name, tensor in adapters.items() if "lora_A" in name]
+    b = [tensor for name, tensor in adapters.items() if "lora_B" in name]
+    assert len(a) == len(b) == 12 and all(tensor.abs().max() < 1e-20 for tensor in b)
+    for tensor in a:  # kaiming_uniform_(a=sqrt(5)): uniform on +-1/sqrt(fan in), std bound/sqrt(3)
+        bound = tensor.shape[1] ** -0.5
+        assert tensor.abs().max() <= bound and tensor.std() == pytest.approx(bound / 3 ** 0.5,
+                                                                             rel=0.2)
