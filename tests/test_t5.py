@@ -543,7 +543,7 @@ def test_help_explains_every_flag(help_text):
     flat = " ".join(text.split())
     for mapped in ("FSDP2: reshard_after_forward=True", "SHARD_GRAD_OP keeps", "(ZeRO-2; False)",
                    "FSDP2: a 2-D mesh", "FSDP2: bf16 reduces in fp32, no fp16",
-                   "FSDP2: broadcast", "FSDP2 limits its own, and refuses it"):
+                   "FSDP2: every rank reads its shards", "FSDP2 limits its own, and refuses it"):
         assert mapped in flat, mapped
 
 
