@@ -647,9 +647,6 @@ def check_flags(args, device, world_size):
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
     check_lora_flags(args)
-    args.shard_weights = None  # FSDP2's --cpu-ram-efficient-loading: the folder of safetensors
-    if args.fsdp_version == 2 and args.cpu_ram_efficient_loading:
-        args.shard_weights = safetensors_folder(os.path.expanduser(args.model_name))
     if args.limit_all_gathers is None and args.fsdp_version == 1:
         args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
     args.model_name = name = os.path.expanduser(args.model_name)
@@ -672,6 +669,9 @@ def check_flags(args, device, world_size):
              "--model-name with a directory written by save_pretrained, or a hub id")
     if args.lora_rank and (problem := lora_targets_problem(name, args.lora_targets)):
         fail(problem)
+    args.shard_weights = None  # FSDP2's --cpu-ram-efficient-loading: the folder of safetensors
+    if args.fsdp_version == 2 and args.cpu_ram_efficient_loading:
+        args.shard_weights = safetensors_folder(name)  # once the model is found
     problem = resume_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
                              sharded=args.save_model and args.checkpoint_type == "sharded",
                              lora=args.lora)
