@@ -502,17 +502,18 @@ def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
-    from t5_fsdp_finetune import find_checkpoint
+    from t5_fsdp_finetune import resume_target
 
     for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp",
                  "checkpoint-epoch-12"):
         (tmp_path / name).mkdir()
         if name != "checkpoint-epoch-12":  # no trainer_state.json: incomplete
             (tmp_path / name / "trainer_state.json").write_text("{}")
-    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
-    assert (find_checkpoint(str(tmp_path / "checkpoint-epoch-2"))
+    assert resume_target("auto", str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
+    assert resume_target(str(tmp_path), None) == str(tmp_path / "checkpoint-epoch-10")
+    assert (resume_target(str(tmp_path / "checkpoint-epoch-2"), None)
             == str(tmp_path / "checkpoint-epoch-2"))
-    assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
+    assert resume_target(str(tmp_path / "checkpoint-epoch-12"), None) is None
 
 
 def test_the_fixture_command_prints_no_progress_bar(tmp_path):
