@@ -804,9 +804,10 @@ def check_checkpoint_dir(args):
     if not args.no_resume or not old:
         return
     if not args.overwrite:
-        fail(f"--no-resume: --checkpoint-dir {folder} holds checkpoints of an earlier run "
+        fail(f"--checkpoint-dir {folder} holds checkpoints of an earlier run "
              f"({os.path.basename(old[-1])}...), which a later resume would mix with this run's; "
-             "add --overwrite to delete them, or pass another --checkpoint-dir")
+             "drop --no-resume to continue it, add --overwrite to delete them, or pass another "
+             "--checkpoint-dir")
     dist.barrier()  # everyone has seen them before rank 0 deletes them
     if dist.get_rank() == 0:
         for path in old:
@@ -829,7 +830,6 @@ class CheckedCheckpointer(Checkpointer):
     one line. pauses: the seconds each save blocked training."""
 
     def __init__(self, folder, config, **options):
-        self.given = folder  # as the user wrote it, for its messages
         self.started, self.last, self.path, self.pauses = None, None, None, []
         self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
@@ -898,7 +898,8 @@ class CheckedCheckpointer(Checkpointer):
         dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 checked
         self.path, step = found[0], 0
         if self.path is None:
-            rank0_print(f"No checkpoint in {self.given}: starting from step 0")
+            rank0_print(f"No complete checkpoint in --checkpoint-dir {self.folder}: starting "
+                        "from step 0")
             return 0
         try:
             step = super().load(model, optimizer, self.path)
@@ -1080,7 +1081,8 @@ def rerun_resumes(folder):
     """Which checkpoint of folder a rerun resumes from (said when a save fails or the run stops)."""
     newest = newest_complete(folder, "step_", MARKER)
     if newest is None:
-        return "no checkpoint was written yet: a rerun starts from step 0"
+        return (f"no complete checkpoint in --checkpoint-dir {folder} yet: a rerun starts from "
+                "step 0")
     return (f"the last complete checkpoint is step {folder_number(newest, 'step_')} ({newest}): "
             "run the same command to resume")
 

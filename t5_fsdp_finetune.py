@@ -604,11 +604,12 @@ def resume_hint(args):
 
 
 def rerun_resumes(folder):
-    """Which checkpoint of folder a rerun resumes from (said when the run stops)."""
+    """Which checkpoint of folder a rerun resumes from (said when a save fails or the run stops)."""
     newest = newest_complete(folder, "checkpoint-epoch-", TRAINER_STATE)
     if newest is None:
-        return f"no complete checkpoint in --save-dir {folder} yet: a rerun starts afresh"
-    return f"a rerun with --resume auto continues from {newest}"
+        return f"no complete checkpoint in --save-dir {folder} yet: a rerun starts from epoch 1"
+    return (f"the last complete checkpoint is epoch {folder_number(newest, 'checkpoint-epoch-')} "
+            f"({newest}): run the same command with --resume auto to resume")
 
 
 # What --fsdp-version 2 has no equivalent for, refused in one line that says what to use instead.
@@ -741,14 +742,14 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
         old = sorted(glob.glob(os.path.join(save_dir, "checkpoint-epoch-*")))
         if not (sharded and old) or overwrite:
             return None
-        return (f"--save-dir {save_dir} holds sharded checkpoints of an earlier run "
-                f"({os.path.basename(old[-1])}...), which a later --resume would mix with this "
-                "run's; add --resume auto to continue it, --overwrite to delete them, or pass "
+        return (f"--save-dir {save_dir} holds checkpoints of an earlier run "
+                f"({os.path.basename(old[-1])}...), which a later resume would mix with this "
+                "run's; add --resume auto to continue it, add --overwrite to delete them, or pass "
                 "another --save-dir")
     checkpoint = resume_target(resume, save_dir)
     if checkpoint is None:
         return None if resume == "auto" else (
-            f"--resume {resume}: no complete checkpoint of this script there (a directory with "
+            f"--resume {resume}: no complete checkpoint of this script in it (a directory with "
             f"{TRAINER_STATE}, or one holding checkpoint-epoch-N directories; *.tmp ones are "
             "incomplete)")
     checkpoint = os.path.abspath(checkpoint)
@@ -844,9 +845,11 @@ def checked_model(name, on_meta):
 @contextlib.contextmanager
 def checked_save(model, path, needed, sharded=False):
     """Around a save of model to path (needed: the bytes this rank's part of it takes): never a
-    model that is not finite; then the free space checked and a failed write in one line."""
+    model that is not finite; then the free space checked and a failed write in one line (of a
+    sharded checkpoint: with where a rerun resumes)."""
     stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
-    with saving(path, needed, ELSEWHERE, sharded=sharded):
+    resumes = f"; {rerun_resumes(os.path.dirname(path))}" if sharded else ""
+    with saving(path, needed, ELSEWHERE + resumes, sharded=sharded):
         yield
 
 
@@ -1175,7 +1178,8 @@ def find_resumable(resume, save_dir):
     box = [resume_target(resume, save_dir) if resume and dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if resume == "auto" and not box[0]:
-        rank0_print(f"No checkpoint in {os.path.abspath(save_dir)} yet: starting from epoch 1")
+        rank0_print(f"No complete checkpoint in --save-dir {os.path.abspath(save_dir)}: starting "
+                    "from epoch 1")
     return os.path.abspath(box[0]) if box[0] else None
 
 
