@@ -234,7 +234,7 @@ def test_t5_interrupted_under_python_says_where_to_resume(tmp_path, tiny_t5_dir,
     said = [line for line in stderr.splitlines() if not bars.match(line)]
     assert len(said) == 1 and re.fullmatch(
         r"interrupted by SIGINT in (Training Epoch \d+|Validation Epoch); the last complete "
-        rf"checkpoint is epoch (\d+) \({re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\1\): "
+        rf"checkpoint is epoch (\d+) \({re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\2\): "
         "run the same command with --resume auto to resume", said[0]), stderr
     assert processes_left(tmp_path) == []
 
