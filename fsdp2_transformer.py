@@ -20,7 +20,6 @@ every world size. Below the lesson: Safeguards, which main applies around it, an
 """
 import contextlib
 import functools
-import glob
 import json
 import math
 import os
@@ -250,10 +249,10 @@ MARKER = "COMPLETE"  # written last into a checkpoint's folder: the checkpoint i
 
 
 class Checkpointer:
-    """Saves model and optimizer state into <folder>/step_000050 and resumes from the newest
-    complete checkpoint there, at any world size and mesh. Each is written into step_000050.tmp,
-    marked complete by a COMPLETE file written last (with the step, the format and the model's
-    config), then renamed: a save cut short leaves a .tmp folder, which resume ignores. full:
+    """Saves model and optimizer state into <folder>/step_000050 and loads one back, at any world
+    size and mesh. Each is written into step_000050.tmp, marked complete by a COMPLETE file
+    written last (with the step, the format and the model's config), then renamed: a save cut
+    short leaves a .tmp folder, which main's resume (the newest complete one) ignores. full:
     rank 0 gathers the whole state (DTensor API, or DCP's state-dict API with dcp_api) and writes
     model.pt (a plain state dict of Transformer) and optimizer.pt. sharded: every rank writes its
     shards with dcp.save."""
@@ -297,11 +296,8 @@ class Checkpointer:
     def wait(self):
         """Nothing to wait for: a synchronous save is complete when save() returns."""
 
-    def load(self, model, optimizer, path=None):
-        """Resume from path (default: the newest complete checkpoint); return its step (0: none)."""
-        path = path or newest_checkpoint(self.folder)
-        if path is None:
-            return 0
+    def load(self, model, optimizer, path):
+        """Resume from the checkpoint at path (a step_000050 folder); return its step."""
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
         if marker["format"] == "sharded":  # every rank reads the parts of its own shards
@@ -367,14 +363,6 @@ def sharded_state(model, optimizer):
     """This rank's shards of the model and optimizer state (DTensors), for dcp.save and dcp.load."""
     return {"model": get_model_state_dict(model),
             "optimizer": get_optimizer_state_dict(model, optimizer)}
-
-
-def newest_checkpoint(folder):
-    """The step_N folder of the highest N that holds a COMPLETE marker, or None."""
-    complete = [os.path.dirname(marker) for marker in glob.glob(
-        os.path.join(glob.escape(folder), "step_*", MARKER))]
-    complete = [path for path in complete if os.path.basename(path)[5:].isdigit()]  # not .tmp
-    return max(complete, key=lambda path: int(os.path.basename(path)[5:]), default=None)
 
 
 def gather_full_state(model, optimizer, dcp_api):
@@ -480,7 +468,7 @@ def main(args, device):
                                            checkpoint_format=args.checkpoint_format,
                                            dcp_api=args.dcp_api)
     if checkpointer and not args.no_resume:
-        start_step = checkpointer.load(model, optimizer)
+        start_step = checkpointer.load(model, optimizer)  # (the newest complete one, or none)
 
     # 5. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
@@ -581,6 +569,7 @@ import errno
 import fcntl
 import fnmatch
 import gc
+import glob
 import logging
 import multiprocessing.connection
 import multiprocessing.resource_tracker
@@ -815,9 +804,10 @@ def check_checkpoint_dir(args):
     if not args.no_resume or not old:
         return
     if not args.overwrite:
-        fail(f"--no-resume: --checkpoint-dir {folder} holds checkpoints of an earlier run "
+        fail(f"--checkpoint-dir {folder} holds checkpoints of an earlier run "
              f"({os.path.basename(old[-1])}...), which a later resume would mix with this run's; "
-             "add --overwrite to delete them, or pass another --checkpoint-dir")
+             "drop --no-resume to continue it, add --overwrite to delete them, or pass another "
+             "--checkpoint-dir")
     dist.barrier()  # everyone has seen them before rank 0 deletes them
     if dist.get_rank() == 0:
         for path in old:
@@ -840,7 +830,6 @@ class CheckedCheckpointer(Checkpointer):
     one line. pauses: the seconds each save blocked training."""
 
     def __init__(self, folder, config, **options):
-        self.given = folder  # as the user wrote it, for its messages
         self.started, self.last, self.path, self.pauses = None, None, None, []
         self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
@@ -859,7 +848,7 @@ class CheckedCheckpointer(Checkpointer):
         self.path = os.path.join(self.folder, f"step_{step:06d}")
         self.doing = f"write checkpoint {self.path}"
         with saving(self.path, checkpoint_bytes(model, optimizer, full=self.format == "full"),
-                    f"{ELSEWHERE}; {last_checkpoint(self.folder)}",
+                    f"{ELSEWHERE}; {rerun_resumes(self.folder)}",
                     sharded=self.format == "sharded"):
             self.pauses.append(0.0)  # an asynchronous save's line may come before it returns
             with ctrl_c_for_training_only():
@@ -890,26 +879,27 @@ class CheckedCheckpointer(Checkpointer):
         failed save's .tmp folder."""
         if dist.get_rank() == 0:
             shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
-        fail(f"{error}; {last_checkpoint(self.folder)}")
+        fail(f"{error}; {rerun_resumes(self.folder)}")
 
     def load(self, model, optimizer):
-        """The lesson's load of the newest complete checkpoint as rank 0 finds it, once its marker
-        (and a full checkpoint's tensors) are found to fit this model; a failed read stops every
-        rank in one line."""
+        """The lesson's load of the newest complete checkpoint as rank 0 finds it (newest_complete),
+        once its marker (and a full checkpoint's tensors) are found to fit this model; a failed
+        read stops every rank in one line. Returns its step (0: none)."""
         found, error = [None], None
         if dist.get_rank() == 0:
             for path in glob.glob(os.path.join(glob.escape(self.folder), "step_*")):
-                if re.fullmatch(r"step_\d+", os.path.basename(path)) and not os.path.exists(
+                if folder_number(path, "step_") is not None and not os.path.exists(
                         os.path.join(path, MARKER)):
                     rank0_print(f"Ignoring incomplete checkpoint {path} (no {MARKER} marker)")
-            found[0] = newest_checkpoint(self.folder)
+            found[0] = newest_complete(self.folder, "step_", MARKER)
             shapes = {name: p.shape for name, p in model.named_parameters()}
             error = checkpoint_problem(found[0], shapes, self.config) if found[0] else None
         agree_on_error(error)
         dist.broadcast_object_list(found, src=0)  # every rank loads the checkpoint rank 0 checked
         self.path, step = found[0], 0
         if self.path is None:
-            rank0_print(f"No checkpoint in {self.given}: starting from step 0")
+            rank0_print(f"No complete checkpoint in --checkpoint-dir {self.folder}: starting "
+                        "from step 0")
             return 0
         try:
             step = super().load(model, optimizer, self.path)
@@ -1062,7 +1052,7 @@ def checkpoint_problem(path, shapes, config):
             return (f"cannot read checkpoint file {os.path.join(path, name)} "
                     f"({' '.join(str(e).split())}); {redo}")
     marker, states = loaded[0], loaded[1:]
-    if marker.get("step") != int(os.path.basename(path)[5:]):  # edited, or copied as another
+    if marker.get("step") != folder_number(path, "step_"):  # edited, or copied as another
         return (f"checkpoint {path}: its {MARKER} marker says step {marker.get('step')!r}, not "
                 f"its folder's; {redo}")
     if marker.get("model") != config:
@@ -1087,13 +1077,14 @@ def checkpoint_problem(path, shapes, config):
     return None
 
 
-def last_checkpoint(folder):
-    """Which checkpoint a rerun resumes from (said when a save fails or the run is stopped)."""
-    newest = newest_checkpoint(folder)
+def rerun_resumes(folder):
+    """Which checkpoint of folder a rerun resumes from (said when a save fails or the run stops)."""
+    newest = newest_complete(folder, "step_", MARKER)
     if newest is None:
-        return "no checkpoint was written yet: a rerun starts from step 0"
-    return (f"the last complete checkpoint is step {int(os.path.basename(newest)[5:])} "
-            f"({newest}): run the same command to resume")
+        return (f"no complete checkpoint in --checkpoint-dir {folder} yet: a rerun starts from "
+                "step 0")
+    return (f"the last complete checkpoint is step {folder_number(newest, 'step_')} ({newest}): "
+            "run the same command to resume")
 
 
 def resume_hint(args):
@@ -1101,7 +1092,7 @@ def resume_hint(args):
     stops the run."""
     if not args.checkpoint_dir:
         return "no --checkpoint-dir: a rerun starts from step 0"
-    return last_checkpoint(os.path.abspath(args.checkpoint_dir))
+    return rerun_resumes(os.path.abspath(args.checkpoint_dir))
 
 
 def one_line(error):
@@ -1584,6 +1575,22 @@ def lock_folder(flag, folder):
 
 
 HELD_LOCKS = []
+
+
+def newest_complete(folder, prefix, marker):
+    """The checkpoint of folder to resume from, or None: the <prefix>N folder (fsdp2: step_000050,
+    T5: checkpoint-epoch-2) of the highest N that holds its marker file, written last. A save cut
+    short left a <prefix>N.tmp, or a folder without its marker: neither is complete."""
+    complete = [path for path in glob.glob(os.path.join(glob.escape(folder), f"{prefix}*"))
+                if folder_number(path, prefix) is not None
+                and os.path.isfile(os.path.join(path, marker))]
+    return max(complete, key=lambda path: folder_number(path, prefix), default=None)
+
+
+def folder_number(path, prefix):
+    """The N of a folder named <prefix>N (step_000050: 50), or None (step_000050.tmp: None)."""
+    match = re.fullmatch(re.escape(prefix) + "([0-9]+)", os.path.basename(path))
+    return int(match[1]) if match else None
 
 
 def space_problem(folder, needed, elsewhere):

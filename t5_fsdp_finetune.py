@@ -600,10 +600,16 @@ def resume_hint(args):
     """Where a rerun resumes: the plumbing says it when Ctrl-C or SIGTERM stops the run."""
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return "no resumable checkpoints (--checkpoint-type full): a rerun starts from epoch 1"
-    newest = find_checkpoint(os.path.abspath(args.save_dir))
+    return rerun_resumes(os.path.abspath(args.save_dir))
+
+
+def rerun_resumes(folder):
+    """Which checkpoint of folder a rerun resumes from (said when a save fails or the run stops)."""
+    newest = newest_complete(folder, "checkpoint-epoch-", TRAINER_STATE)
     if newest is None:
-        return f"no complete checkpoint in --save-dir {args.save_dir} yet: a rerun starts afresh"
-    return f"a rerun with --resume auto continues from {newest}"
+        return f"no complete checkpoint in --save-dir {folder} yet: a rerun starts from epoch 1"
+    return (f"the last complete checkpoint is epoch {folder_number(newest, 'checkpoint-epoch-')} "
+            f"({newest}): run the same command with --resume auto to resume")
 
 
 # What --fsdp-version 2 has no equivalent for, refused in one line that says what to use instead.
@@ -736,14 +742,14 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
         old = sorted(glob.glob(os.path.join(save_dir, "checkpoint-epoch-*")))
         if not (sharded and old) or overwrite:
             return None
-        return (f"--save-dir {save_dir} holds sharded checkpoints of an earlier run "
-                f"({os.path.basename(old[-1])}...), which a later --resume would mix with this "
-                "run's; add --resume auto to continue it, --overwrite to delete them, or pass "
+        return (f"--save-dir {save_dir} holds checkpoints of an earlier run "
+                f"({os.path.basename(old[-1])}...), which a later resume would mix with this "
+                "run's; add --resume auto to continue it, add --overwrite to delete them, or pass "
                 "another --save-dir")
-    checkpoint = find_checkpoint(save_dir if resume == "auto" else resume)
+    checkpoint = resume_target(resume, save_dir)
     if checkpoint is None:
         return None if resume == "auto" else (
-            f"--resume {resume}: no complete checkpoint of this script there (a directory with "
+            f"--resume {resume}: no complete checkpoint of this script in it (a directory with "
             f"{TRAINER_STATE}, or one holding checkpoint-epoch-N directories; *.tmp ones are "
             "incomplete)")
     checkpoint = os.path.abspath(checkpoint)
@@ -754,8 +760,8 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
     except (OSError, ValueError, AttributeError) as e:
         return (f"--resume {checkpoint}: cannot load it ({one_line(e)}); it is corrupted, or was "
                 "saved for another model")
-    folder = re.fullmatch(r"checkpoint-epoch-(\d+)", os.path.basename(checkpoint))
-    if not (isinstance(epoch, int) and epoch >= 1) or (folder and int(folder[1]) != epoch):
+    folder = folder_number(checkpoint, "checkpoint-epoch-")
+    if not (isinstance(epoch, int) and epoch >= 1) or folder not in (None, epoch):
         return (f"--resume {checkpoint}: cannot load it (its {TRAINER_STATE} says epoch "
                 f"{epoch!r}, not its folder's); it is corrupted, or was saved for another model")
     if epoch >= epochs:
@@ -839,9 +845,11 @@ def checked_model(name, on_meta):
 @contextlib.contextmanager
 def checked_save(model, path, needed, sharded=False):
     """Around a save of model to path (needed: the bytes this rank's part of it takes): never a
-    model that is not finite; then the free space checked and a failed write in one line."""
+    model that is not finite; then the free space checked and a failed write in one line (of a
+    sharded checkpoint: with where a rerun resumes)."""
     stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
-    with saving(path, needed, ELSEWHERE, sharded=sharded):
+    resumes = f"; {rerun_resumes(os.path.dirname(path))}" if sharded else ""
+    with saving(path, needed, ELSEWHERE + resumes, sharded=sharded):
         yield
 
 
@@ -1154,27 +1162,24 @@ def progress_bar(loader, desc, colour, leave, disable):
     return FinalLine(loader, desc=desc, disable=disable)
 
 
-def find_checkpoint(path):
-    """path if it is a complete checkpoint, else the newest complete checkpoint-epoch-N in it."""
-    if os.path.isfile(os.path.join(path, TRAINER_STATE)):
-        return path
-    epochs = {}
-    for folder in glob.glob(os.path.join(path, "checkpoint-epoch-*")):
-        match = re.search(r"checkpoint-epoch-(\d+)$", folder)
-        if match and os.path.isfile(os.path.join(folder, TRAINER_STATE)):
-            epochs[int(match.group(1))] = folder
-    return epochs[max(epochs)] if epochs else None
+def resume_target(resume, save_dir):
+    """The complete checkpoint --resume names, or None: DIR itself if it holds its trainer state
+    (HF Trainer's resume_from_checkpoint), else the newest complete checkpoint-epoch-N in DIR
+    (auto: in --save-dir)."""
+    folder = save_dir if resume == "auto" else resume
+    if os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+        return folder
+    return newest_complete(folder, "checkpoint-epoch-", TRAINER_STATE)
 
 
 def find_resumable(resume, save_dir):
-    """The complete sharded checkpoint to resume from (--resume DIR, or auto: the newest in
-    --save-dir), as rank 0 finds it, on every rank; None to start afresh. check_flags has checked
-    it (resume_problem)."""
-    box = [find_checkpoint(save_dir if resume == "auto" else resume)
-           if resume and dist.get_rank() == 0 else None]
+    """The complete sharded checkpoint to resume from (resume_target), as rank 0 finds it, on
+    every rank; None to start afresh. check_flags has checked it (resume_problem)."""
+    box = [resume_target(resume, save_dir) if resume and dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if resume == "auto" and not box[0]:
-        rank0_print(f"No checkpoint in {os.path.abspath(save_dir)} yet: starting from epoch 1")
+        rank0_print(f"No complete checkpoint in --save-dir {os.path.abspath(save_dir)}: starting "
+                    "from epoch 1")
     return os.path.abspath(box[0]) if box[0] else None
 
 
@@ -1467,6 +1472,22 @@ def lock_folder(flag, folder):
 
 
 HELD_LOCKS = []
+
+
+def newest_complete(folder, prefix, marker):
+    """The checkpoint of folder to resume from, or None: the <prefix>N folder (fsdp2: step_000050,
+    T5: checkpoint-epoch-2) of the highest N that holds its marker file, written last. A save cut
+    short left a <prefix>N.tmp, or a folder without its marker: neither is complete."""
+    complete = [path for path in glob.glob(os.path.join(glob.escape(folder), f"{prefix}*"))
+                if folder_number(path, prefix) is not None
+                and os.path.isfile(os.path.join(path, marker))]
+    return max(complete, key=lambda path: folder_number(path, prefix), default=None)
+
+
+def folder_number(path, prefix):
+    """The N of a folder named <prefix>N (step_000050: 50), or None (step_000050.tmp: None)."""
+    match = re.fullmatch(re.escape(prefix) + "([0-9]+)", os.path.basename(path))
+    return int(match[1]) if match else None
 
 
 def space_problem(folder, needed, elsewhere):

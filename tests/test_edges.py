@@ -133,7 +133,8 @@ def test_t5_saves_on_a_full_disk(tmp_path, small_disk, tiny_t5_dir, wikihow_dir)
                           tmp_path, timeout=180)
     line = single_error_line(refused)
     assert re.search(rf"not enough space to save into {out}: the save needs 0\.\d MiB, 1\.\d MiB "
-                     r"are free; .* or pass another --save-dir", line), line
+                     r"are free; .* or pass another --save-dir; no complete checkpoint in "
+                     rf"--save-dir {out} yet: a rerun starts from epoch 1$", line), line
     exported = sorted(p.name for p in out.iterdir())
     assert len(exported) == 2 and exported[0].endswith("-hf") and exported[1].endswith(".pt")
     copy = script_with_lines("t5_fsdp_finetune.py", tmp_path,
@@ -232,9 +233,9 @@ def test_t5_interrupted_under_python_says_where_to_resume(tmp_path, tiny_t5_dir,
     bars = re.compile(r"(r0 Training|Validation) Epoch")  # each loop's final progress bar
     said = [line for line in stderr.splitlines() if not bars.match(line)]
     assert len(said) == 1 and re.fullmatch(
-        r"interrupted by SIGINT in (Training Epoch \d+|Validation Epoch); a rerun with --resume "
-        rf"auto continues from {re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\d+",
-        said[0]), stderr
+        r"interrupted by SIGINT in (Training Epoch \d+|Validation Epoch); the last complete "
+        rf"checkpoint is epoch (\d+) \({re.escape(str(tmp_path / 'ckpt'))}/checkpoint-epoch-\2\): "
+        "run the same command with --resume auto to resume", said[0]), stderr
     assert processes_left(tmp_path) == []
 
 

@@ -127,7 +127,8 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     assert half_written.name == f"step_{step + 1:06d}.tmp"
     assert (f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} "
             "(no COMPLETE marker)") in stdout
-    assert stdout.count("No checkpoint in ckpt: starting from step 0") == 1  # the first attempt
+    assert stdout.count(f"No complete checkpoint in --checkpoint-dir {checkpoints}: starting from "
+                        "step 0\n") == 1  # the first attempt
     assert f"Resumed from {previous} at step {step}" in stdout  # the restarted one
     # written by the restarted attempt
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -171,8 +172,9 @@ def test_a_checkpoint_writer_killed_as_it_starts_ends_the_run_in_one_line(tmp_pa
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.fullmatch(
         r"error: cannot start the checkpoint writer processes \(RuntimeError: (Checkpoint "
-        r"background process is dead|.*Connection closed by peer.*)\); no checkpoint was written "
-        r"yet: a rerun starts from step 0", errors[0]), stderr
+        r"background process is dead|.*Connection closed by peer.*)\); no complete checkpoint in "
+        rf"--checkpoint-dir {re.escape(str(tmp_path / 'ckpt'))} yet: a rerun starts from step 0",
+        errors[0]), stderr
     assert processes_left(tmp_path) == []
 
 
@@ -215,7 +217,7 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
     finally:
         stop(agent)
     assert agent.returncode == 0, stderr
-    assert f"No checkpoint in {tmp_path} yet: starting from epoch 1" in stdout
+    assert f"No complete checkpoint in --save-dir {tmp_path}: starting from epoch 1\n" in stdout
     resumed = tmp_path / f"checkpoint-epoch-{max(epochs)}"  # --save-dir defaults to .
     assert f"Resumed from {resumed} (epoch {max(epochs)} done)" in stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())

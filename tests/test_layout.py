@@ -128,6 +128,25 @@ def test_a_shared_function_is_the_same_in_every_script():
         assert clash == [], f"{script} defines shared names outside its Plumbing: {clash}"
 
 
+def test_both_checkpointing_scripts_resume_from_the_same_kind_of_folder(tmp_path):
+    """fsdp2's step_N/COMPLETE (torchtitan's) and T5's checkpoint-epoch-N/trainer_state.json (HF
+    Trainer's) are found by one shared newest_complete: the highest N whose marker is there, not
+    a .tmp (a save cut short, even with its marker) nor a folder without its marker."""
+    import fsdp2_transformer
+    import t5_fsdp_finetune
+
+    for script, prefix, marker in [(fsdp2_transformer, "step_", "COMPLETE"),
+                                   (t5_fsdp_finetune, "checkpoint-epoch-", "trainer_state.json")]:
+        folder = tmp_path / prefix
+        for name, complete in [("2", True), ("10", True), ("9", True), ("11.tmp", True),
+                               ("12", False), ("x13", True)]:
+            (folder / f"{prefix}{name}").mkdir(parents=True)
+            if complete:
+                (folder / f"{prefix}{name}" / marker).write_text("{}")
+        assert script.newest_complete(str(folder), prefix, marker) == str(folder / f"{prefix}10")
+        assert script.newest_complete(str(tmp_path / "none"), prefix, marker) is None
+
+
 @pytest.mark.parametrize("script", list(LESSONS))
 def test_every_definition_is_used(script):
     """No dead code: each top-level definition of a script is named somewhere else in it (the

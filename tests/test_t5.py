@@ -191,10 +191,10 @@ def test_what_a_run_would_write_over_is_refused_before_the_model_loads(
     epoch_2 = t5_reference.cwd / "checkpoint-epoch-2"
     cases = [  # the options, and what the line says
         (["--checkpoint-type", "sharded", "--save-dir", earlier_run],
-         [f"--save-dir {earlier_run} holds sharded checkpoints of an earlier run",
+         [f"--save-dir {earlier_run} holds checkpoints of an earlier run",
           "add --resume auto", "--overwrite"]),
         (["--resume", fsdp2_reference.cwd / "ckpt" / "step_000010"],  # another script's
-         ["step_000010: no complete checkpoint of this script there", "trainer_state.json"]),
+         ["step_000010: no complete checkpoint of this script in it", "trainer_state.json"]),
         (["--resume", epoch_2],
          [f"the checkpoint {epoch_2} has finished epoch 2 of --epochs 2", "raise --epochs"]),
     ]
@@ -485,34 +485,39 @@ def test_an_unreachable_hub_fails_in_one_line_at_once(tmp_path, wikihow_dir):
 
 def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
     """resume_hint, the line the plumbing prints on Ctrl-C or SIGTERM: the newest complete
-    checkpoint of --save-dir, or that a rerun starts afresh."""
+    checkpoint of --save-dir, or that a rerun starts from epoch 1."""
     from argparse import Namespace
 
     from t5_fsdp_finetune import resume_hint
 
     args = Namespace(save_model=True, checkpoint_type="sharded", save_dir=str(tmp_path))
-    assert "a rerun starts afresh" in resume_hint(args)
+    assert resume_hint(args) == (f"no complete checkpoint in --save-dir {tmp_path} yet: a rerun "
+                                 "starts from epoch 1")
     for epoch in (1, 2):
         (tmp_path / f"checkpoint-epoch-{epoch}").mkdir()
         (tmp_path / f"checkpoint-epoch-{epoch}" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-epoch-3.tmp").mkdir()
-    assert resume_hint(args).endswith(f"--resume auto continues from {tmp_path}/checkpoint-epoch-2")
+    assert resume_hint(args) == (f"the last complete checkpoint is epoch 2 ({tmp_path}/"
+                                 "checkpoint-epoch-2): run the same command with --resume auto to "
+                                 "resume")
     args.checkpoint_type = "full"
-    assert "a rerun starts from epoch 1" in resume_hint(args)
+    assert resume_hint(args) == ("no resumable checkpoints (--checkpoint-type full): a rerun "
+                                 "starts from epoch 1")
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
-    from t5_fsdp_finetune import find_checkpoint
+    from t5_fsdp_finetune import resume_target
 
     for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp",
                  "checkpoint-epoch-12"):
         (tmp_path / name).mkdir()
         if name != "checkpoint-epoch-12":  # no trainer_state.json: incomplete
             (tmp_path / name / "trainer_state.json").write_text("{}")
-    assert find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
-    assert (find_checkpoint(str(tmp_path / "checkpoint-epoch-2"))
+    assert resume_target("auto", str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
+    assert resume_target(str(tmp_path), None) == str(tmp_path / "checkpoint-epoch-10")
+    assert (resume_target(str(tmp_path / "checkpoint-epoch-2"), None)
             == str(tmp_path / "checkpoint-epoch-2"))
-    assert find_checkpoint(str(tmp_path / "checkpoint-epoch-12")) is None
+    assert resume_target(str(tmp_path / "checkpoint-epoch-12"), None) is None
 
 
 def test_the_fixture_command_prints_no_progress_bar(tmp_path):
