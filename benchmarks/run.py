@@ -13,6 +13,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only tp             # (dp, tp) = (4, 1), (2, 2), (1, 4) on CPU
     python benchmarks/run.py --only lora --lora-plot benchmarks/t5_memory.png  # 33 min, 2 cores
     python benchmarks/run.py --only lora --dry-run     # the commands it would run; runs nothing
+    python benchmarks/run.py --only hf-load --out hf_load.md  # RssAnon while loading, 10 min
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -37,6 +38,13 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   full fine-tuning with AdamW(foreach=True) and AdamW(fused=True), from copies of the script with
   that one line changed. Its runs take turns, as the checkpoint rows do. --plan's memory per rank
   at 1-64 ranks, with the measured runs on it, as a picture with --lora-plot (matplotlib).
+- Loading memory (world sizes 2 and 4, CPU, only when asked for: 10 minutes on 2 busy cores): the
+  same t5-base-shaped T5 stored in bf16 and fp32 (--hf-load-dtypes), each as safetensors and as a
+  pytorch_model.bin; FSDP2 with --cpu-ram-efficient-loading and LoRA reads it shard by shard from
+  the safetensors, or from rank 0 from the .bin (today's way). Each rank's peak anonymous memory
+  (RssAnon, sampled every 10 ms by benchmarks/hf_memory.py) until the model is sharded, above the
+  tests' tiny T5's, against the target (model / world size) + 25% of the model. One run per
+  configuration (--hf-load-repeats).
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -65,7 +73,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora")
+BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "hf-load")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -140,6 +148,21 @@ CURVE_COLOURS = {"full fine-tuning": "tab:blue", "LoRA, fp32 base": "tab:green",
                  "LoRA, bf16 base": "tab:purple", "SHARD_GRAD_OP": "tab:orange",
                  "NO_SHARD": "black"}
 PLAN_WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# hf-load: each rank's anonymous memory (RssAnon) while FSDP2's --cpu-ram-efficient-loading loads
+# the t5-base-shaped model stored in bf16 (and fp32), shard by shard from its safetensors (the
+# new way) and from rank 0 (a pytorch_model.bin: today's way), with LoRA so that the training
+# state is small; each rank's peak until the script prints HF_LOAD_UNTIL (sharded and loaded),
+# less the tests' tiny T5's at the same world size and rank.
+HF_LOAD_WORLD_SIZES = (2, 4)
+HF_LOAD_DTYPES = ("bf16", "fp32")
+HF_LOAD_WAYS = {"shard by shard": "safetensors", "from rank 0": "pytorch_model.bin"}
+HF_LOAD_RUN = ["--fsdp-version", "2", "--cpu-ram-efficient-loading", *LORA, "--cpu",
+               "--input-length", "32", "--output-length", "16", "--num-train-samples", "4",
+               "--num-val-samples", "4", "--epochs", "1", "--batch-size", "1", "--no-save-model",
+               "--no-run-validation"]
+HF_LOAD_UNTIL = "FSDP2 sharded"
+HF_LOAD_FROM_RANK0 = "--cpu-ram-efficient-loading: the model has no safetensors files"
+HF_LOAD_TARGET = 0.25  # the issue's: each rank at most (model / world size) + 25% of the model
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -309,12 +332,26 @@ def figures_of(config, metrics, stdout):
     return figures
 
 
+def hf_load_figures(config, stdout, peaks, loaded):
+    """hf-load's figures of one run: each rank's peak RssAnon (MiB) until the model was sharded
+    and loaded. Raises ValueError when the run did not get there, or loaded another way."""
+    if not loaded:
+        raise ValueError(f"its output never said {HF_LOAD_UNTIL!r}")
+    if sorted(peaks) != list(range(config["world_size"])):
+        raise ValueError(f"RssAnon was sampled for ranks {sorted(peaks)}, not for each of "
+                         f"{config['world_size']}")
+    way = "from rank 0" if HF_LOAD_FROM_RANK0 in stdout else "shard by shard"
+    if way != config["way"]:
+        raise ValueError(f"it loaded {way}, not {config['way']}")
+    return {f"rank{rank}_mib": peak / MIB for rank, peak in sorted(peaks.items())}
+
+
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
-                    "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU) and lora only "
-                    "when asked for)")
+                    "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU), lora and "
+                    "hf-load only when asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -349,20 +386,27 @@ parser.add_argument("--thread-writer-script", default=None, metavar="FILE",
                     help="checkpoint: also run this copy of fsdp2_transformer.py with "
                          "--async-checkpoint (e.g. main before issue 34, whose writer is a thread)")
 add_lora_flags(parser)
+parser.add_argument("--hf-load-dtypes", nargs="+", choices=HF_LOAD_DTYPES,
+                    default=list(HF_LOAD_DTYPES), metavar="DTYPE",
+                    help="hf-load: the dtypes the t5-base-shaped model is stored in, any of "
+                         f"{', '.join(HF_LOAD_DTYPES)}")
+parser.add_argument("--hf-load-repeats", type=int, default=1, metavar="N",
+                    help="hf-load: runs per configuration, the median taken (its memory does not "
+                         "vary as times do; --repeats is for the others)")
 parser.add_argument("--no-gpu", action="store_true",
                     help="skip the GPU runs even when a CUDA GPU is visible")
 parser.add_argument("--timeout", type=int, default=900, metavar="S",
                     help="seconds before a run counts as failed")
 parser.add_argument("--dry-run", action="store_true",
-                    help="print every run's command and exit, running nothing (lora: not even "
-                         "writing its 198M model or running --plan)")
+                    help="print every run's command and exit, running nothing (lora, hf-load: not "
+                         "even writing the 198M model; lora: nor running --plan)")
 args = parser.parse_args()
 if args.repeats < 3 and not args.smoke:
     parser.error(f"--repeats {args.repeats}: a median needs at least 3 runs; "
                  "pass --smoke to run fewer anyway")
 if args.repeats < 1:
     parser.error("--repeats must be at least 1")
-for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs", "timeout"):
+for flag in ("mnist_epochs", "fsdp2_steps", "t5_epochs", "timeout", "hf_load_repeats"):
     if getattr(args, flag) < 1:
         parser.error(f"--{flag.replace('_', '-')} must be at least 1")
 if args.fsdp2_world_sizes and min(args.fsdp2_world_sizes) < 1:
@@ -452,6 +496,38 @@ if "lora" in args.only:
                    + ", ".join(f"{k} {v}" for k, v in T5_BASE_SHAPE.items()) + ")")
     lora_source += (f", WikiHow from {lora_data}" if args.wikihow_dir
                     else ", data the WikiHow-format fixture CSV of the tests")
+
+if "hf-load" in args.only:  # the fixtures that other benchmarks write too are written once
+    hf_data = wikihow_dir or tmp / "wikihow"
+    hf_tiny, hf_shape = tmp / "hf-load-tiny-t5", tmp / "t5-base-shape"
+    hf_models = {(dtype, way): tmp / f"t5-base-{dtype}-{HF_LOAD_WAYS[way].split('.')[-1]}"
+                 for dtype in args.hf_load_dtypes for way in HF_LOAD_WAYS}
+    hf_parameters = None
+    if not args.dry_run:
+        log(f"Writing the tiny T5{'' if hf_data.exists() else ' and WikiHow'} fixture "
+            f"(tests/tiny_wikihow.py) to {tmp}")
+        write_fixture("tiny T5", ["-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                                  "import tiny_wikihow; tiny_wikihow.write_tiny_t5(sys.argv[2]); "
+                                  "sys.argv[3:] and tiny_wikihow.write_wikihow(sys.argv[3])",
+                                  REPO / "tests", hf_tiny,
+                                  *([] if hf_data.exists() else [hf_data])])
+        if not wikihow_dir:
+            env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
+        if not hf_shape.exists():  # --only lora writes the same, into the same folder
+            log(f"Writing a t5-base-shaped random T5 (198M parameters, 0.79 GB; "
+                f"tests/tiny_wikihow.py) to {hf_shape}")
+            write_fixture("t5-base-shaped T5", [
+                "-c", "import json, sys; sys.path.insert(0, sys.argv[1]); import tiny_wikihow; "
+                "tiny_wikihow.write_tiny_t5(sys.argv[2], **json.loads(sys.argv[3]))",
+                REPO / "tests", hf_shape, json.dumps(T5_BASE_SHAPE)])
+        for dtype in args.hf_load_dtypes:
+            log(f"Storing it in {dtype}, as safetensors and as a pytorch_model.bin "
+                "(benchmarks/hf_memory.py)")
+            info = tmp / f"t5-base-{dtype}.json"
+            write_fixture(f"{dtype} t5-base-shaped T5", [
+                REPO / "benchmarks" / "hf_memory.py", hf_shape, dtype,
+                *(hf_models[(dtype, way)] for way in HF_LOAD_WAYS), info])
+            hf_parameters = json.loads(info.read_text())["parameters"]
 
 # ----------------------------------------------------------------------------------- configurations
 # One entry per table row: which script, how many processes, on which device, with which flags.
@@ -560,6 +636,20 @@ if "lora" in args.only:  # world size 2 on CPU; the rows take turns
                    str(plan_models[model]), *LORA_SIZES, *LORA_CURVES[curve]]
                   for model, curve, world_size in plan_keys]
 
+if "hf-load" in args.only:  # CPU; per world size the tiny T5 (the baseline), then the model's rows
+    for world_size in HF_LOAD_WORLD_SIZES:
+        rows = [("tiny", "shard by shard", hf_tiny)] + [
+            (dtype, way, hf_models[(dtype, way)]) for dtype in args.hf_load_dtypes
+            for way in HF_LOAD_WAYS]
+        for dtype, way, model_dir in rows:
+            configs.append({"benchmark": "hf-load", "device": "cpu", "world_size": world_size,
+                            "name": (f"tiny T5 (baseline), {way}" if dtype == "tiny" else
+                                     f"t5-base's shape stored in {dtype}, {way}"),
+                            "dtype": dtype, "way": way, "repeats": args.hf_load_repeats,
+                            "script": "t5_fsdp_finetune.py",
+                            "args": ["--model-name", str(model_dir), "--data-dir", str(hf_data),
+                                     *HF_LOAD_RUN]})
+
 
 def command_of(config, metrics_path):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -591,16 +681,20 @@ if "lora" in args.only:  # before the runs: a --plan that fails, fails in second
 
 # --------------------------------------------------------------------------------------------- runs
 runs, failures = [], []
-total = len(configs) * args.repeats
 for config in configs:
     config["figures"], config["failed"] = [], False  # one dict per successful run
+    config.setdefault("repeats", args.repeats)  # hf-load's: --hf-load-repeats
+total = sum(config["repeats"] for config in configs)
 # The checkpoint and lora rows take turns (each configuration once, then again); the others run
 # in a row.
 TURNS = ("checkpoint", "lora")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
-             for repeat in range(1, args.repeats + 1)]
+             for repeat in range(1, config["repeats"] + 1)]
+if "hf-load" in args.only:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from hf_memory import rss_anon_peaks
 for config, repeat in schedule:
     if not config["failed"]:
         # Whatever a script writes lands in its own folder.
@@ -609,26 +703,31 @@ for config, repeat in schedule:
         command = command_of(config, metrics_path)
         label = (f"{config['benchmark']} {config['device']} world size {config['world_size']} "
                  f"{config['name']}")
-        log(f"[{len(runs) + 1}/{total}] {label}, run {repeat}/{args.repeats}")
+        log(f"[{len(runs) + 1}/{total}] {label}, run {repeat}/{config['repeats']}")
         run_start, cpu_start = time.perf_counter(), cpu_seconds_of_children()
         finished, writers = threading.Event(), {}
         watching = threading.Thread(target=watch_writers, args=(workdir, finished, writers))
         if config["benchmark"] == "checkpoint":  # the others have no writer to watch
             watching.start()
-        proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            stdout, stderr = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # torchrun passes SIGTERM on to its workers
-            stdout, stderr = proc.communicate()
-            stderr += f"\nharness: killed after --timeout {args.timeout} s"
+        if config["benchmark"] == "hf-load":  # RssAnon of each rank, sampled every 10 ms
+            returncode, stdout, stderr, rank_peaks, loaded = rss_anon_peaks(
+                command, workdir, HF_LOAD_UNTIL, env=env, timeout=args.timeout)
+        else:
+            proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                stdout, stderr = proc.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # torchrun passes SIGTERM on to its workers
+                stdout, stderr = proc.communicate()
+                stderr += f"\nharness: killed after --timeout {args.timeout} s"
+            returncode = proc.returncode
         finished.set()
         if watching.is_alive():
             watching.join()
         run = {"benchmark": config["benchmark"], "device": config["device"],
                "world_size": config["world_size"], "name": config["name"], "repeat": repeat,
-               "command": command, "returncode": proc.returncode,
+               "command": command, "returncode": returncode,
                "seconds": time.perf_counter() - run_start, "metrics": None, "figures": None,
                # every process of the run, reaped ones (torchrun waits for its workers, each
                # worker for its writer): user + system
@@ -636,9 +735,9 @@ for config, repeat in schedule:
                "writers_cpu_s": sum(writers.values())}
         runs.append(run)
         error = None
-        if proc.returncode != 0 or not metrics_path.exists():
-            error = (f"exit status {proc.returncode}"
-                     + ("" if proc.returncode else " but no metrics file"))
+        if returncode != 0 or not metrics_path.exists():
+            error = (f"exit status {returncode}"
+                     + ("" if returncode else " but no metrics file"))
         else:
             metrics = run["metrics"] = json.loads(metrics_path.read_text())
             # A script that fell back to another device would put its figures in the wrong table.
@@ -652,12 +751,16 @@ for config, repeat in schedule:
                     if config["benchmark"] == "checkpoint":
                         run["figures"].update(cpu_s=run["cpu_s"],
                                               writers_cpu_s=run["writers_cpu_s"])
+                    if config["benchmark"] == "hf-load":
+                        run["figures"].update(hf_load_figures(config, stdout, rank_peaks, loaded))
                 except KeyError as e:
                     error = f"its metrics file has no {e} (has the script changed?)"
+                except ValueError as e:
+                    error = str(e)
         if error:
             run["error"], run["stderr_tail"] = error, stderr_tail(stderr)
             failures.append(run)
-            log(f"\nFAILED: {label}, run {repeat}/{args.repeats}, {error}\n"
+            log(f"\nFAILED: {label}, run {repeat}/{config['repeats']}, {error}\n"
                 f"command: {shlex.join(command)}\n"
                 f"--- end of its stderr ---\n{run['stderr_tail']}\n"
                 "--- the remaining runs of this configuration are skipped ---\n")
@@ -703,6 +806,10 @@ out = [f"Measured on: {machine}; {threads}.",
        f"Every figure is the {runs_said} of the configuration. Epoch time: per run, the median "
        "of the epochs after the first; then the median over runs. Memory per rank is the maximum "
        "over ranks."]
+if "hf-load" in args.only:  # its own count of runs, and memory for each rank
+    hf_load_said = (f"hf-load: {args.hf_load_repeats} run{'s' if args.hf_load_repeats > 1 else ''}"
+                    " per configuration (--hf-load-repeats), each rank's memory shown.")
+    out[2] = hf_load_said if set(args.only) == {"hf-load"} else out[2] + " " + hf_load_said
 out += notes
 peak_label = {"cpu": "peak RSS / rank (MiB)", "cuda": "peak CUDA allocated (MiB)"}
 for device in ["cpu"] + (["cuda"] if gpu else []):
@@ -950,6 +1057,65 @@ if "lora" in args.only:
         link = os.path.relpath(args.lora_plot, Path(args.out).parent if args.out else ".")
         out += [f"\n![Memory per rank against world size: --plan's curves and the measured runs]"
                 f"({link})\n"]
+
+if "hf-load" in args.only:
+    model_mib = 4 * hf_parameters / MIB if hf_parameters else None  # fp32, as the script trains
+    headers = ["world size", "stored in", "way", "peak RssAnon above the tiny T5's, per rank "
+               "(MiB)", "per rank, in models", "max over ranks (MiB)", "max, in models",
+               f"target: model / N + {HF_LOAD_TARGET:.0%} of it (MiB)", "target, in models",
+               "within target"]
+    rows, tiny_said, within = [], [], {}  # (dtype, way) -> [(within, max in models)]
+    for c in (c for c in configs if c["benchmark"] == "hf-load"):
+        ranks = [f"rank{rank}_mib" for rank in range(c["world_size"])]
+        tiny = find("hf-load", "cpu", world_size=c["world_size"], dtype="tiny")
+        if c is tiny:
+            tiny_said.append(f"{c['world_size']} ranks "
+                             + " / ".join(fmt(median(c, key), ".0f") for key in ranks)
+                             + (" (FAILED)" if c["failed"] else ""))
+            continue
+        above = [None if median(c, key) is None or median(tiny, key) is None
+                 else median(c, key) - median(tiny, key) for key in ranks]
+        most = None if None in above else max(above)
+        target = model_mib * (1 / c["world_size"] + HF_LOAD_TARGET) if model_mib else None
+        if most is not None and target:
+            within.setdefault((c["dtype"], c["way"]), []).append((most <= target,
+                                                                  most / model_mib))
+        rows.append([c["world_size"], c["dtype"] + (" (FAILED)" if c["failed"] else ""),
+                     c["way"] + f" ({HF_LOAD_WAYS[c['way']]})",
+                     " / ".join(fmt(a, ".0f") for a in above),
+                     " / ".join(fmt(ratio(a, model_mib), ".2f") for a in above),
+                     fmt(most, ".0f"), fmt(ratio(most, model_mib), ".2f"), fmt(target, ".0f"),
+                     fmt(ratio(target, model_mib), ".2f"),
+                     "n/a" if most is None or not target else "yes" if most <= target else "no"])
+    hf_runs_said = ("one run" if args.hf_load_repeats == 1
+                    else f"median of {args.hf_load_repeats} runs") + " per configuration"
+    summary = []
+    for (dtype, way), results in within.items():
+        grew = sorted({f"{fraction:.2f}" for _, fraction in results}, key=float)
+        summary.append(f"stored in {dtype}, {way}, the rank that grew most grew by "
+                       f"{'-'.join(grew[::len(grew) - 1] if len(grew) > 1 else grew)} of the "
+                       f"model, within the target at {sum(ok for ok, _ in results)} of "
+                       f"{len(results)} world sizes")
+    out += ["\n### T5 at t5-base's shape: each rank's memory while --cpu-ram-efficient-loading "
+            "loads it (CPU, gloo)\n",
+            f"Model: t5-base's shape with random weights ({fmt(hf_parameters, ',')} parameters, "
+            f"{fmt(model_mib, ',.0f')} MiB in fp32: the model, below; written by "
+            "tests/tiny_wikihow.py's write_tiny_t5), stored in "
+            f"{' and '.join(args.hf_load_dtypes)} by benchmarks/hf_memory.py, once as safetensors "
+            "(the new way: each rank reads its shards with DCP's HuggingFaceStorageReader) and "
+            "once as a pytorch_model.bin (today's way, the fallback: rank 0 loads the whole model "
+            "and broadcasts each rank's shards). "
+            f"`{' '.join(HF_LOAD_RUN)}`, data the WikiHow-format fixture CSV of the tests; "
+            f"{hf_runs_said}. Each rank's RssAnon (anonymous memory: not the page cache of "
+            "memory-mapped files) is sampled every 10 ms from the start until the script prints "
+            f"'{HF_LOAD_UNTIL}' (loaded and sharded); the table gives its peak less the same "
+            "rank's with the tests' tiny T5 (write_tiny_t5's defaults, same flags: "
+            f"{'; '.join(tiny_said)} MiB), and as a fraction of the model (fp32, as the script "
+            "trains). The target is the issue's: at most (model / world size) + "
+            f"{HF_LOAD_TARGET:.0%} of the model on every rank.\n",
+            markdown_table(headers, rows),
+            "\n" + ("What it shows: " + "; ".join(summary) + "." if summary else
+                    "What it shows: nothing, no configuration was measured against its baseline.")]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"
