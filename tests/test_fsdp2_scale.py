@@ -226,7 +226,7 @@ def test_plan_predicts_the_training_state(world_size, fsdp2_run, fsdp2_reference
                                           resumed_from_sharded, tmp_path):
     """--plan's training state per rank (sharded parameters, gradients, AdamW state) is the one
     real runs measured, within 1%, at world sizes 1, 2 and 4 and under HSDP."""
-    runs = {1: lambda: fsdp2_run(*FSDP2_TINY, "--steps", 20, nproc=1),
+    runs = {1: lambda: fsdp2_run(*FSDP2_TINY, "--steps", 20, "--cpu", nproc=1),  # HSDP's one
             2: lambda: fsdp2_reference,
             4: lambda: resumed_from_sharded(4, "--async-checkpoint"),
             "2 replicas": lambda: fsdp2_run(*FSDP2_TINY, "--steps", 20, "--replicate-degree", 2,

@@ -163,7 +163,7 @@ def test_srun_python_is_one_job(slurm, tmp_path, cached_torchrun, data, script):
     assert run.returncode == 0, run.output
     assert run.stdout.count("Wall-clock elapsed time") == 1, run.stdout
     assert run.metrics["world_size"] == 2
-    reference = cached_torchrun(script, "--cpu", *args)
+    reference = cached_torchrun(script, *args, "--cpu")  # fsdp2_transformer.py's: test_ray's
     assert reference.returncode == 0, reference.output
     same_losses(run, reference)
 
@@ -223,7 +223,7 @@ def test_the_job_script_runs_on_two_nodes(slurm, tmp_path, cached_torchrun, data
     run = wait_for_job(slurm, submit(slurm, tmp_path, script, "--cpu", *args), tmp_path)
     assert run.returncode == 0 and run.metrics, run.stdout
     assert run.metrics["world_size"] == 2
-    reference = cached_torchrun(script, "--cpu", *args)
+    reference = cached_torchrun(script, *args, "--cpu")  # test_srun_python_is_one_job's
     same_losses(run, reference)
 
 
