@@ -13,6 +13,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only tp             # (dp, tp) = (4, 1), (2, 2), (1, 4) on CPU
     python benchmarks/run.py --only lora --lora-plot benchmarks/t5_memory.png  # 33 min, 2 cores
     python benchmarks/run.py --only lora --dry-run     # the commands it would run; runs nothing
+    python benchmarks/run.py --only lora-gpu           # the same rows on one GPU, bf16 compute
     python benchmarks/run.py --only hf-load --out hf_load.md  # RssAnon while loading, 10 min
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
@@ -38,6 +39,8 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   full fine-tuning with AdamW(foreach=True) and AdamW(fused=True), from copies of the script with
   that one line changed. Its runs take turns, as the checkpoint rows do. --plan's memory per rank
   at 1-64 ranks, with the measured runs on it, as a picture with --lora-plot (matplotlib).
+- LoRA on one GPU (lora-gpu, only when asked for): the same model and rows at world size 1 on the
+  GPU, with bf16 compute and longer sequences (512 + 128 tokens, 16 a batch): peak CUDA memory.
 - Loading memory (world sizes 2 and 4, CPU, only when asked for: 10 minutes on 2 busy cores): the
   same t5-base-shaped T5 stored in bf16 and fp32 (--hf-load-dtypes), each as safetensors and as a
   pytorch_model.bin; FSDP2 with --cpu-ram-efficient-loading and LoRA reads it shard by shard from
@@ -73,7 +76,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "hf-load")
+BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "lora-gpu",
+              "hf-load")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -130,6 +134,10 @@ LORA_SIZES = ["--input-length", "64", "--output-length", "24", "--batch-size", "
               "--mixed-precision", "fp32", "--cpu"]  # the runs' and the plans' (batch per rank)
 LORA_RUN = ["--num-train-samples", str(LORA_TRAIN_SAMPLES), "--epochs", str(LORA_EPOCHS),
             "--no-run-validation", "--no-save-model"]
+# lora-gpu: a GPU step of 4 short articles takes milliseconds; these take long enough to time.
+LORA_GPU_SAMPLES, LORA_GPU_EPOCHS = 256, 3
+LORA_GPU_SIZES = ["--input-length", "512", "--output-length", "128", "--batch-size", "16",
+                  "--mixed-precision", "bf16"]
 LORA = ["--lora-rank", "16"]  # the script's defaults otherwise: alpha 16, dropout 0.05, q,v
 LORA_ROWS = {"full fine-tuning": [], "LoRA, fp32 base": LORA,
              "LoRA, bf16 base": [*LORA, "--base-dtype", "bf16"]}
@@ -320,9 +328,9 @@ def figures_of(config, metrics, stdout):
         figures.update(tokens_per_s=metrics["tokens_per_s"], mfu=metrics["mfu"],
                        tflops=metrics["tflops_per_gpu"], first_pause_s=stalls[0],
                        later_pause_s=stalls[1] if len(stalls) > 1 else None)  # step 200's
-    elif config["benchmark"] == "lora":  # an epoch is one step: the steady samples/s
+    elif config["benchmark"] in ("lora", "lora-gpu"):  # the steady samples/s
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
-        figures["samples_per_s"] = LORA_TRAIN_SAMPLES / figures["epoch_s"]
+        figures["samples_per_s"] = config["samples"] / figures["epoch_s"]
         figures["loaded_mib"] = max(metrics["peak_memory_after_loading_per_rank"]) / MIB
     else:
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
@@ -350,8 +358,8 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
-                    "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU), lora and "
-                    "hf-load only when asked for)")
+                    "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU), lora, "
+                    "lora-gpu (on one GPU) and hf-load only when asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -418,6 +426,8 @@ if "lora" in args.only and args.lora_plot and not args.dry_run:
         parser.error("--lora-plot needs matplotlib: pip install -r benchmarks/requirements.txt")
 if "fsdp2-gpu" in args.only and (args.no_gpu or not torch.cuda.is_available()):
     parser.error("fsdp2-gpu runs a 1B-parameter model on a CUDA GPU, and none is visible here")
+if "lora-gpu" in args.only and (args.no_gpu or not torch.cuda.is_available()) and not args.dry_run:
+    parser.error("lora-gpu runs on a CUDA GPU, and none is visible here")
 
 started = time.perf_counter()
 cores = os.cpu_count() or 1
@@ -463,7 +473,7 @@ if "t5" in args.only and not (wikihow_dir and t5_model):
     # The datasets library caches each CSV it reads; keep the fixture's cache out of the user's.
     env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
 
-if "lora" in args.only:
+if "lora" in args.only or "lora-gpu" in args.only:
     lora_model = args.lora_model  # a local folder made absolute: each run has its own folder
     if lora_model and os.path.exists(lora_model):
         lora_model = os.path.abspath(lora_model)
@@ -625,6 +635,7 @@ if "lora" in args.only:  # world size 2 on CPU; the rows take turns
                         "name": f"{row}, FSDP{version}"
                         + (f", AdamW({adamw}=True)" if adamw else ""),
                         "row": row, "fsdp_version": version, "adamw": adamw,
+                        "samples": LORA_TRAIN_SAMPLES,
                         "curve": f"{row}, FSDP{version} FULL_SHARD", "script": script,
                         "args": ["--model-name", str(lora_model), "--data-dir", str(lora_data),
                                  *LORA_SIZES, *LORA_RUN, *LORA_ROWS[row],
@@ -635,6 +646,20 @@ if "lora" in args.only:  # world size 2 on CPU; the rows take turns
     plan_argvs = [["--plan", "--world-size", str(world_size), "--model-name",
                    str(plan_models[model]), *LORA_SIZES, *LORA_CURVES[curve]]
                   for model, curve, world_size in plan_keys]
+
+if "lora-gpu" in args.only:  # world size 1 on the first GPU
+    for row in LORA_ROWS:
+        for version in (1, 2):
+            configs.append({"benchmark": "lora-gpu", "device": "cuda", "world_size": 1,
+                            "name": f"{row}, FSDP{version}", "row": row,
+                            "fsdp_version": version, "samples": LORA_GPU_SAMPLES,
+                            "script": "t5_fsdp_finetune.py",
+                            "args": ["--model-name", str(lora_model), "--data-dir",
+                                     str(lora_data), *LORA_GPU_SIZES,
+                                     "--num-train-samples", str(LORA_GPU_SAMPLES),
+                                     "--epochs", str(LORA_GPU_EPOCHS), "--no-run-validation",
+                                     "--no-save-model", *LORA_ROWS[row],
+                                     "--fsdp-version", str(version)]})
 
 if "hf-load" in args.only:  # CPU; per world size the tiny T5 (the baseline), then the model's rows
     for world_size in HF_LOAD_WORLD_SIZES:
@@ -687,7 +712,7 @@ for config in configs:
 total = sum(config["repeats"] for config in configs)
 # The checkpoint and lora rows take turns (each configuration once, then again); the others run
 # in a row.
-TURNS = ("checkpoint", "lora")
+TURNS = ("checkpoint", "lora", "lora-gpu")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
@@ -1057,6 +1082,24 @@ if "lora" in args.only:
         link = os.path.relpath(args.lora_plot, Path(args.out).parent if args.out else ".")
         out += [f"\n![Memory per rank against world size: --plan's curves and the measured runs]"
                 f"({link})\n"]
+
+if "lora-gpu" in args.only:
+    full = find("lora-gpu", "cuda", row="full fine-tuning", fsdp_version=1)
+    headers = ["configuration", "FSDP", "train state (MiB)", "vs full FSDP1",
+               "peak CUDA allocated (MiB)", "vs full FSDP1", "train samples/s", "vs full FSDP1"]
+    rows = [[c["row"] + (" (FAILED)" if c["failed"] else ""), c["fsdp_version"]]
+            + [cell for key, form in (("state_mib", ".1f"), ("peak_mib", ".0f"),
+                                      ("samples_per_s", ".1f"))
+               for cell in (fmt(median(c, key), form),
+                            fmt(ratio(median(c, key), median(full, key)), ".3f"))]
+            for c in configs if c["benchmark"] == "lora-gpu"]
+    out += ["\n### T5: LoRA against full fine-tuning on one GPU (NCCL, world size 1)\n",
+            f"{lora_source}. `{' '.join(LORA_GPU_SIZES)} --num-train-samples "
+            f"{LORA_GPU_SAMPLES} --epochs {LORA_GPU_EPOCHS} --no-run-validation`; LoRA "
+            f"`{' '.join(LORA)}` on q,v, the bf16 base with `--base-dtype bf16`; {runs_said}, "
+            "the configurations taking turns. Train samples/s is "
+            f"{LORA_GPU_SAMPLES} / the median epoch after the first.\n",
+            markdown_table(headers, rows)]
 
 if "hf-load" in args.only:
     model_mib = 4 * hf_parameters / MIB if hf_parameters else None  # fp32, as the script trains

@@ -64,6 +64,20 @@ def test_every_rank_reads_the_pretrained_weights(t5_run, still_t5_dir, untied_t5
     assert ("lm_head.weight" in exported) == (model == "untied")
 
 
+@pytest.mark.gpu
+def test_one_gpu_reads_the_pretrained_weights(torchrun, still_t5_dir, wikihow_dir):
+    """World size 1 on a GPU: the shards are read into GPU memory, and the export holds
+    from_pretrained's tensors (the tied model, FROZEN, fp32 compute)."""
+    from transformers import T5ForConditionalGeneration
+
+    run = torchrun(SCRIPT, *t5_args(still_t5_dir, wikihow_dir, 1, *SHARD_BY_SHARD, *FROZEN,
+                                    "--mixed-precision", "fp32"), nproc=1)
+    assert run.returncode == 0, run.output
+    assert run.metrics["device"] == "cuda" and warning_lines(run.output) == []
+    assert_same_tensors(torch.load(run.metrics["checkpoint_pt"], weights_only=True),
+                        T5ForConditionalGeneration.from_pretrained(still_t5_dir).state_dict())
+
+
 def test_an_export_seeds_a_run_at_another_world_size(t5_run, tiny_t5_dir):
     """A 2-rank run's export read shard by shard by one process: its first validation loss, before
     any weight changes (FROZEN), is the loss the 2-rank run logged for it, and its own export is

@@ -3,6 +3,7 @@ FSDP1, on CPU (gloo). The runs use the dropout-free T5 and adapters without drop
 global batch at every world size (conftest.lora_args): every layout gives the same losses."""
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -152,6 +153,29 @@ def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t
         with open(f"{adapter}/adapter_model.safetensors", "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         assert len([k for k in header if k != "__metadata__"]) == 24  # A and B of 12 Linears
+
+
+@pytest.mark.gpu
+def test_lora_on_one_gpu(torchrun, still_t5_dir, wikihow_dir):
+    """World size 1 on a GPU, bf16 compute on a bf16 base: FSDP2 (read shard by shard, activation
+    checkpointing) and FSDP1 learn, and both exports give the logged validation loss on CPU
+    (within 2e-2: computed there in bf16 without autocast)."""
+    runs = []
+    for options in ([*BF16_FSDP2, "--mixed-precision", "bf16"], BF16_FSDP1[:-1]):  # with exports
+        run = torchrun(SCRIPT, *lora_args(still_t5_dir, wikihow_dir, 1, *options), nproc=1)
+        assert run.returncode == 0, run.output
+        assert run.metrics["device"] == "cuda" and warning_lines(run.output) == []
+        assert run.metrics["val_losses"][-1] < run.metrics["val_losses"][0]
+        runs.append(run)
+    exports = [run.metrics[key] for run in runs for key in ("checkpoint", "adapter")]
+    command = [EVALUATE, REPO, still_t5_dir, wikihow_dir, T5_VAL_SAMPLES, T5_INPUT_LENGTH,
+               T5_OUTPUT_LENGTH, *exports]
+    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    for run, result in zip(runs, json.loads(proc.stdout)):
+        for export in ("adapter", "merged"):
+            assert result[export] == pytest.approx(run.metrics["val_loss"], abs=2e-2), result
 
 
 @pytest.mark.parametrize("options, plan_flags", [
