@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
+    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
     ShardingStrategy,
@@ -204,16 +205,24 @@ def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_ch
     return model
 
 
-def hf_state(model):
-    """This rank's shards (DTensors) of the sharded model, by their names in its HF files (without
-    PEFT's prefix and base_layer): the LoRA adapters left out, a tied tensor once (T5's embedding,
-    also encoder's, decoder's and a tied lm_head's)."""
-    state, storages = {}, set()
-    for name, tensor in get_model_state_dict(model).items():
+def hf_state(model, merge=False):
+    """This rank's shards (DTensors) of the sharded model by their names in its HF files (without
+    PEFT's prefix and base_layer): a tied tensor once (T5's embedding, also encoder's, decoder's
+    and a tied lm_head's), no LoRA adapter. merge: each adapted weight's rows plus the product of
+    its adapters (B's rows are the weight's: each rank adds its own), as merge_and_unload does."""
+    sharded, state, storages = get_model_state_dict(model), {}, set()
+    for name, tensor in sharded.items():
         storage = tensor.to_local().untyped_storage().data_ptr()
-        if "lora_" not in name and storage not in storages:
-            storages.add(storage)
-            state[name.removeprefix("base_model.model.").replace(".base_layer", "")] = tensor
+        if "lora_" in name or storage in storages:
+            continue
+        storages.add(storage)
+        if merge and ".base_layer." in name:  # LoRA
+            a, b = (sharded[name.replace("base_layer", f"lora_{m}.default")] for m in "AB")
+            lora = model.peft_config["default"]
+            rows = tensor.to_local() + lora.lora_alpha / lora.r * b.to_local() @ a.full_tensor()
+            tensor = DTensor.from_local(rows.to(tensor.dtype), tensor.device_mesh, tensor.placements,
+                                        shape=tensor.shape, stride=tensor.stride())
+        state[name.removeprefix("base_model.model.").replace(".base_layer", "")] = tensor
     return state
 
 
@@ -343,6 +352,31 @@ def export_model(model, tokenizer, path, cpu_offload=True):
     rank0_print(f"Saved {path}.pt, {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
+def export_shards(model, tokenizer, path):
+    """FSDP2's export, no rank holding the whole model: every rank writes its shards in HF's
+    safetensors format (DCP's HF writer), which rank 0 consolidates a tensor at a time into the
+    files from_pretrained opens, in path-hf (with config, generation config, tokenizer) renamed
+    once complete. LoRA: the merged model, and the adapters, gathered, in path-adapter."""
+    state, lora = hf_state(model, merge=True), getattr(model, "peft_config", None)
+    adapters = {name: tensor.full_tensor() for name, tensor in get_model_state_dict(model).items()
+                if "lora_" in name}
+    files = f"{path}-hf.files.tmp"  # DCP's consolidated files; the ranks' in files/sharded
+    if dist.get_rank() == 0:
+        shutil.rmtree(files, ignore_errors=True)  # the leftover of a crash
+    dist.barrier()
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(
+        files, save_distributed=True, enable_consolidation=True))
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(files, "sharded"))
+        replace_directory(f"{path}-hf", lambda folder: os.replace(files, folder),
+                          model.config.save_pretrained, model.generation_config.save_pretrained,
+                          tokenizer.save_pretrained)
+        if lora:
+            replace_directory(f"{path}-adapter", lambda folder: model.save_pretrained(
+                folder, state_dict=adapters))
+    rank0_print(f"Saved {path}-hf" + (f" and {path}-adapter" if lora else ""))
+
+
 def save_sharded_checkpoint(model, optimizer, trainer_state, path):
     """Every rank writes its shards of what trains and of the optimizer state (trained_state) with
     DCP (dcp.save is a collective) into path.tmp; rank 0 adds the trainer state (epoch,
@@ -460,8 +494,11 @@ def main(args, device):
             name = f"{run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
             state["best_checkpoint"] = os.path.abspath(os.path.join(args.save_dir, name))
             with checked_save(model, state["best_checkpoint"], 2 * full_model_bytes(model)):
-                export_model(model, tokenizer, state["best_checkpoint"],
-                             cpu_offload=offload_to_cpu(model))
+                if args.full_state_dict:  # gathered on rank 0: the .pt, and the HF files from it
+                    export_model(model, tokenizer, state["best_checkpoint"],
+                                 cpu_offload=offload_to_cpu(model))
+                else:  # FSDP2: the HF files from every rank's shards
+                    export_shards(model, tokenizer, state["best_checkpoint"])
         if args.save_model and args.checkpoint_type == "sharded":
             state.update(epoch=epoch, scheduler=scheduler.state_dict(),
                          scaler=scaler.state_dict() if scaler else None)
@@ -539,9 +576,11 @@ def parse_args(argv=None):
              "FSDP2: every rank reads its shards of the model's safetensors, none all of it")
     add = parser.add_argument_group("checkpointing").add_argument
     add("--save-model", action=on_off, default=True,
-        help="save the model when the validation loss improves: T5-model-<date>-<epoch>-<loss>.pt "
-             "(full state dict) and the HF directory ...-hf, with the tokenizer (LoRA: merged; "
-             "and the PEFT adapters ...-adapter)")
+        help="save the model when the validation loss improves: the HF directory "
+             "T5-model-<date>-<epoch>-<loss>-hf with the tokenizer (LoRA: merged; and the PEFT "
+             "adapters ...-adapter) and the full state dict ...pt (--full-state-dict)")
+    add("--full-state-dict", action=on_off, help="save from the whole model gathered on rank 0, "
+        "with the .pt (default: on for FSDP1; FSDP2 writes the HF files from the ranks' shards)")
     add("--checkpoint-type", default="full", choices=["full", "sharded"],
         help="full: only the best model, gathered on rank 0; sharded: also a resumable DCP "
              "checkpoint (every rank writes its shards) per epoch: <save-dir>/checkpoint-epoch-N")
@@ -586,7 +625,6 @@ import huggingface_hub
 import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from transformers.utils import logging as hf_logging
 
@@ -655,6 +693,11 @@ def check_flags(args, device, world_size):
     check_lora_flags(args)
     if args.limit_all_gathers is None and args.fsdp_version == 1:
         args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
+    if args.full_state_dict is False and args.fsdp_version == 1:
+        fail("--no-full-state-dict: FSDP1 writes its HF files from the full state dict; FSDP2 "
+             "(--fsdp-version 2) writes them from every rank's shards")
+    if args.full_state_dict is None:
+        args.full_state_dict = args.fsdp_version == 1
     args.model_name = name = os.path.expanduser(args.model_name)
     csv_path = os.path.join(args.data_dir, "wikihowAll.csv")
     missing = [] if os.path.isfile(csv_path) else [f"{csv_path} not found: {DOWNLOAD_HELP}"]
@@ -1126,7 +1169,8 @@ class EpochLog:
             epoch_times=self.epoch_times, samples_per_s=samples_per_s,
             train_batches=len(train_loader), val_batches=len(val_loader or ()),
             peak_memory_after_loading_per_rank=self.loaded,
-            checkpoint=f"{best}-hf" if best else None, checkpoint_pt=f"{best}.pt" if best else None,
+            checkpoint=f"{best}-hf" if best else None,
+            checkpoint_pt=f"{best}.pt" if best and self.report.args.full_state_dict else None,
             adapter=f"{best}-adapter" if best and state["lora"] else None, lora=state["lora"],
             mixed_precision=mixed_precision, fsdp_version=self.report.args.fsdp_version,
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
