@@ -220,8 +220,9 @@ def hf_state(model, merge=False):
             a, b = (sharded[name.replace("base_layer", f"lora_{m}.default")] for m in "AB")
             lora = model.peft_config["default"]
             rows = tensor.to_local() + lora.lora_alpha / lora.r * b.to_local() @ a.full_tensor()
-            tensor = DTensor.from_local(rows.to(tensor.dtype), tensor.device_mesh, tensor.placements,
-                                        shape=tensor.shape, stride=tensor.stride())
+            tensor = DTensor.from_local(rows.to(tensor.dtype), device_mesh=tensor.device_mesh,
+                                        placements=tensor.placements, shape=tensor.shape,
+                                        stride=tensor.stride())
         state[name.removeprefix("base_model.model.").replace(".base_layer", "")] = tensor
     return state
 
