@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -359,8 +360,10 @@ def export_shards(model, tokenizer, path):
     files from_pretrained opens, in path-hf (with config, generation config, tokenizer) renamed
     once complete. LoRA: the merged model, and the adapters, gathered, in path-adapter."""
     state, lora = hf_state(model, merge=True), getattr(model, "peft_config", None)
-    adapters = {name: tensor.full_tensor() for name, tensor in get_model_state_dict(model).items()
-                if "lora_" in name}
+    # PEFT's names in its files; not model.save_pretrained(state_dict=), which looks the adapters
+    # up by their modules' names, activation checkpointing's wrapper included, and finds none.
+    adapters = {name.replace(".default.weight", ".weight"): tensor.full_tensor()
+                for name, tensor in get_model_state_dict(model).items() if "lora_" in name}
     files = f"{path}-hf.files.tmp"  # DCP's consolidated files; the ranks' in files/sharded
     if dist.get_rank() == 0:
         shutil.rmtree(files, ignore_errors=True)  # the leftover of a crash
@@ -369,12 +372,13 @@ def export_shards(model, tokenizer, path):
         files, save_distributed=True, enable_consolidation=True))
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(files, "sharded"))
+        model.config.dtype = state["shared.weight"].dtype  # the files' (a bf16 LoRA base: bf16)
         replace_directory(f"{path}-hf", lambda folder: os.replace(files, folder),
                           model.config.save_pretrained, model.generation_config.save_pretrained,
                           tokenizer.save_pretrained)
         if lora:
-            replace_directory(f"{path}-adapter", lambda folder: model.save_pretrained(
-                folder, state_dict=adapters))
+            replace_directory(f"{path}-adapter", lora["default"].save_pretrained, lambda folder:
+                              save_file(adapters, f"{folder}/adapter_model.safetensors"))
     rank0_print(f"Saved {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 

@@ -1,6 +1,7 @@
 """t5_fsdp_finetune.py --lora-rank: LoRA adapters (PEFT) on the frozen tiny T5, under FSDP2 and
 FSDP1, on CPU (gloo). The runs use the dropout-free T5 and adapters without dropout, in the same
 global batch at every world size (conftest.lora_args): every layout gives the same losses."""
+import glob
 import json
 import math
 import os
@@ -80,19 +81,29 @@ def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lor
 
 
 def test_only_the_adapters_train(lora_reference, still_t5_dir):
-    """The trained model's full state dict (the .pt export): every base weight is bit-identical to
-    the pretrained one, and every adapter's B matrix, which PEFT starts at zero, has moved."""
+    """The FSDP2 run's merged export, written shard by shard, and its adapters: every weight
+    without adapters is bit-identical to the pretrained one; each q and v is the pretrained
+    weight plus alpha / r times its adapters' product B A (merged by each rank for its rows), and
+    every B, which PEFT starts at zero, has moved."""
     import torch
+    from safetensors.torch import load_file
     from transformers import T5ForConditionalGeneration
 
     pretrained = T5ForConditionalGeneration.from_pretrained(still_t5_dir).state_dict()
-    trained = torch.load(lora_reference.metrics["checkpoint_pt"], weights_only=True)
-    base = {k.removeprefix(BASE).replace(".base_layer.", "."): v for k, v in trained.items()
-            if "lora_" not in k}
-    assert base.keys() == pretrained.keys()
-    assert [k for k, v in base.items() if not torch.equal(v, pretrained[k])] == []
-    lora_b = [v for k, v in trained.items() if "lora_B" in k]
-    assert len(lora_b) == 12 and all(v.abs().max() > 0 for v in lora_b)  # 12 q and v
+    merged = {name: tensor for file in sorted(glob.glob(
+        f"{lora_reference.metrics['checkpoint']}/*.safetensors"))
+        for name, tensor in load_file(file).items()}
+    adapters = load_file(f"{lora_reference.metrics['adapter']}/adapter_model.safetensors")
+    adapted = {name.removeprefix(BASE).replace(".lora_A.weight", ".weight"): name
+               for name in adapters if ".lora_A." in name}
+    assert len(adapted) == 12 and set(adapted) <= set(merged)  # 12 q and v
+    assert [k for k, v in merged.items() if k not in adapted and not torch.equal(
+        v, pretrained[k])] == []
+    for weight, a in adapted.items():
+        b = adapters[a.replace("lora_A", "lora_B")]
+        product = 16 / 8 * b @ adapters[a]
+        assert b.abs().max() > 0 and product.abs().max() > 1e-4
+        assert torch.allclose(merged[weight], pretrained[weight] + product, atol=1e-6), weight
 
 
 # Opens a run's exports as a user would and computes the validation loss the run logged.
