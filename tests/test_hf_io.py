@@ -1,5 +1,7 @@
-"""t5_fsdp_finetune.py --fsdp-version 2 --cpu-ram-efficient-loading: every rank reads its shards
-of the model from its safetensors files (DCP's HF reader); no rank holds the whole model."""
+"""t5_fsdp_finetune.py --fsdp-version 2: Hugging Face checkpoints in and out shard by shard. With
+--cpu-ram-efficient-loading every rank reads its shards from the model's safetensors (DCP's HF
+reader); every export writes the HF files from every rank's shards (DCP's HF writer,
+consolidated by rank 0). No rank holds the whole model."""
 import glob
 import os
 import shutil
@@ -48,34 +50,46 @@ def t5_run(cached_torchrun, wikihow_dir):
 
 
 @pytest.mark.parametrize("model", ["tied", "untied"])
-def test_every_rank_reads_the_pretrained_weights(t5_run, still_t5_dir, untied_t5_dir, model):
-    """Read shard by shard and exported without training (FROZEN): every parameter is
-    from_pretrained's, tensor for tensor; a tied lm_head stays the embedding (one tensor in the
-    HF files), an untied one keeps its own weights."""
-    from transformers import T5ForConditionalGeneration
-
+def test_weights_go_in_and_out_unchanged(t5_run, still_t5_dir, untied_t5_dir, model):
+    """Read shard by shard and exported shard by shard without training (FROZEN), the model's
+    files come out tensor for tensor as they went in: every parameter each rank read is
+    from_pretrained's, a tied lm_head stays the embedding (one tensor in the files), an untied
+    one keeps its own weights."""
     model_dir = still_t5_dir if model == "tied" else untied_t5_dir  # still: the LoRA test's
     run = t5_run(model_dir, *SHARD_BY_SHARD, *FROZEN, epochs=1)
-    assert_same_tensors(torch.load(run.metrics["checkpoint_pt"], weights_only=True),
-                        T5ForConditionalGeneration.from_pretrained(model_dir).state_dict())
-    exported, files = hf_tensors(run.metrics["checkpoint"]), hf_tensors(model_dir)
-    # (the untied export names the embedding's aliases too: its config says untied)
-    assert_same_tensors({name: exported[name] for name in files}, files)
+    exported = hf_tensors(run.metrics["checkpoint"])
+    assert_same_tensors(exported, hf_tensors(model_dir))
     assert ("lm_head.weight" in exported) == (model == "untied")
+    assert run.metrics["checkpoint_pt"] is None  # FSDP2 gathers nothing (--full-state-dict does)
+
+
+def test_export_equals_the_gathered_one(t5_run, tiny_t5_dir):
+    """The same training exported shard by shard and, with --full-state-dict, from the whole model
+    gathered on rank 0 (the .pt and the HF files made from it): the same tensors, the same files'
+    names, also with the index that the consolidated files come with."""
+    shards = t5_run(tiny_t5_dir, *SHARD_BY_SHARD)
+    gathered = t5_run(tiny_t5_dir, *SHARD_BY_SHARD, "--full-state-dict")
+    assert shards.metrics["val_losses"] == gathered.metrics["val_losses"]
+    assert_same_tensors(hf_tensors(shards.metrics["checkpoint"]),
+                        hf_tensors(gathered.metrics["checkpoint"]))
+    full = torch.load(gathered.metrics["checkpoint_pt"], weights_only=True)
+    exported = hf_tensors(shards.metrics["checkpoint"])
+    assert [name for name, tensor in exported.items() if not torch.equal(tensor, full[name])] == []
+    folder = shards.metrics["checkpoint"]
+    assert glob.glob(f"{folder}/model.safetensors.index.json") and not glob.glob(f"{folder}*.tmp")
+    assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= {
+        path.split("/")[-1] for path in glob.glob(f"{folder}/*")}
 
 
 @pytest.mark.gpu
 def test_one_gpu_reads_the_pretrained_weights(torchrun, still_t5_dir, wikihow_dir):
-    """World size 1 on a GPU: the shards are read into GPU memory, and the export holds
-    from_pretrained's tensors (the tied model, FROZEN, fp32 compute)."""
-    from transformers import T5ForConditionalGeneration
-
+    """World size 1 on a GPU: the shards are read into GPU memory and written from it, the files
+    unchanged (the tied model, FROZEN, fp32 compute)."""
     run = torchrun(SCRIPT, *t5_args(still_t5_dir, wikihow_dir, 1, *SHARD_BY_SHARD, *FROZEN,
                                     "--mixed-precision", "fp32"), nproc=1)
     assert run.returncode == 0, run.output
     assert run.metrics["device"] == "cuda" and warning_lines(run.output) == []
-    assert_same_tensors(torch.load(run.metrics["checkpoint_pt"], weights_only=True),
-                        T5ForConditionalGeneration.from_pretrained(still_t5_dir).state_dict())
+    assert_same_tensors(hf_tensors(run.metrics["checkpoint"]), hf_tensors(still_t5_dir))
 
 
 def test_an_export_seeds_a_run_at_another_world_size(t5_run, tiny_t5_dir):
