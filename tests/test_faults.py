@@ -228,6 +228,56 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
                                                    for k in final)
 
 
+def test_fsdp2_t5_killed_while_exporting_keeps_the_previous_export(tmp_path, cached_torchrun,
+                                                                   tiny_t5_dir, wikihow_dir):
+    """FSDP2 exports shard by shard (test_hf_io.py) under --max-restarts 1 and --resume auto:
+    rank 0, which consolidates the files and renames the folder, is SIGKILLed while epoch 2's
+    export is being written. Epoch 1's export is left as it was and still opens; the killed one
+    left only .tmp names, none that from_pretrained would take for a model; the restarted run
+    resumes from epoch 1's checkpoint and exports the uninterrupted run's epoch-2 model."""
+    from test_hf_io import SHARD_BY_SHARD, assert_same_tensors, hf_tensors
+    from transformers import T5ForConditionalGeneration
+
+    args = t5_args(tiny_t5_dir, wikihow_dir, 2, *SHARD_BY_SHARD)
+    reference = cached_torchrun("t5_fsdp_finetune.py", *args)  # test_hf_io.py's, uninterrupted
+    assert reference.returncode == 0, reference.output
+    assert reference.metrics["val_losses"][1] < reference.metrics["val_losses"][0]  # 2 exports
+    agent = launch(tmp_path, "t5_fsdp_finetune.py", *args, "--checkpoint-type", "sharded",
+                   "--resume", "auto", max_restarts=1)
+    killed = None
+    try:
+        rank0 = running_workers(agent)[0]
+        while killed is None and agent.poll() is None:
+            if not list(tmp_path.glob("T5-model-*-2-*.tmp")):
+                time.sleep(0.0005)
+                continue
+            os.kill(rank0, signal.SIGSTOP)  # then look again: the rename may have happened
+            wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
+            writing = sorted(tmp_path.glob("T5-model-*-2-*.tmp"))
+            previous = sorted(tmp_path.glob("T5-model-*-1-*-hf"))
+            if writing and previous:
+                files = {f.name: f.read_bytes() for f in previous[0].iterdir()}
+                killed = (writing, previous[0], files)
+                os.kill(rank0, signal.SIGKILL)
+            else:
+                os.kill(rank0, signal.SIGCONT)
+        stdout, stderr = finish(agent, tmp_path)
+    finally:
+        stop(agent)
+    assert killed, "the run ended before an export could be interrupted"
+    writing, previous, files = killed
+    assert agent.returncode == 0, stderr
+    assert {f.name: f.read_bytes() for f in previous.iterdir()} == files
+    T5ForConditionalGeneration.from_pretrained(previous)  # opens
+    cut = writing[0].name.split("-hf")[0]  # T5-model-<date>-2-<loss>: the killed attempt's
+    assert [p.name for p in tmp_path.glob(f"{cut}*") if not p.name.endswith(".tmp")] == []
+    assert f"Resumed from {tmp_path / 'checkpoint-epoch-1'} (epoch 1 done)" in stdout
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["val_losses"] == reference.metrics["val_losses"]
+    assert_same_tensors(hf_tensors(metrics["checkpoint"]),
+                        hf_tensors(reference.metrics["checkpoint"]))
+
+
 def hang_rank_1(cwd, script, args, started):
     """Run script with --dist-timeout HUNG_PEER_TIMEOUT and SIGSTOP its rank 1 once rank 0 has
     printed `started`. Returns (seconds until rank 0 exited, torchrun's exit status, stderr)."""
