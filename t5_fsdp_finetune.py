@@ -354,12 +354,20 @@ def export_model(model, tokenizer, path, cpu_offload=True):
     rank0_print(f"Saved {path}.pt, {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
-def export_shards(model, tokenizer, path):
+def export_shards(model, tokenizer, path, max_file_bytes=5 * 2**30):
     """FSDP2's export, no rank holding the whole model: every rank writes its shards in HF's
     safetensors format (DCP's HF writer), which rank 0 consolidates a tensor at a time into the
     files from_pretrained opens, in path-hf (with config, generation config, tokenizer) renamed
     once complete. LoRA: the merged model, and the adapters, gathered, in path-adapter."""
     state, lora = hf_state(model, merge=True), getattr(model, "peft_config", None)
+    # Files of at most max_file_bytes (HF's max_shard_size), with an index: the writer copies a
+    # rank's part of one file at a time, twice (FSDP2's padded shards cloned, then serialized).
+    file_of, index, size = {}, 1, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_file_bytes:
+            index, size = index + 1, 0
+        file_of[name], size = index, size + nbytes
     # PEFT's names in its files; not model.save_pretrained(state_dict=), which looks the adapters
     # up by their modules' names, activation checkpointing's wrapper included, and finds none.
     adapters = {name.replace(".default.weight", ".weight"): tensor.full_tensor()
@@ -369,7 +377,7 @@ def export_shards(model, tokenizer, path):
         shutil.rmtree(files, ignore_errors=True)  # the leftover of a crash
     dist.barrier()
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(
-        files, save_distributed=True, enable_consolidation=True))
+        files, save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=file_of))
     if dist.get_rank() == 0:
         shutil.rmtree(os.path.join(files, "sharded"))
         model.config.dtype = state["shared.weight"].dtype  # the files' (a bf16 LoRA base: bf16)
@@ -503,7 +511,8 @@ def main(args, device):
                     export_model(model, tokenizer, state["best_checkpoint"],
                                  cpu_offload=offload_to_cpu(model))
                 else:  # FSDP2: the HF files from every rank's shards
-                    export_shards(model, tokenizer, state["best_checkpoint"])
+                    export_shards(model, tokenizer, state["best_checkpoint"],
+                                  max_file_bytes=int(args.max_file_gb * 2**30))
         if args.save_model and args.checkpoint_type == "sharded":
             state.update(epoch=epoch, scheduler=scheduler.state_dict(),
                          scaler=scaler.state_dict() if scaler else None)
@@ -586,6 +595,9 @@ def parse_args(argv=None):
              "adapters ...-adapter) and the full state dict ...pt (--full-state-dict)")
     add("--full-state-dict", action=on_off, help="save from the whole model gathered on rank 0, "
         "with the .pt (default: on for FSDP1; FSDP2 writes the HF files from the ranks' shards)")
+    add("--max-file-gb", type=positive(float), default=5.0, metavar="GB", help="FSDP2's exports: "
+        "safetensors files of at most GB (HF's max_shard_size); each rank copies its part of one "
+        "at a time")
     add("--checkpoint-type", default="full", choices=["full", "sharded"],
         help="full: only the best model, gathered on rank 0; sharded: also a resumable DCP "
              "checkpoint (every rank writes its shards) per epoch: <save-dir>/checkpoint-epoch-N")

@@ -59,23 +59,27 @@ def rss_anon(pid):
     return kib[0] * 1024 if kib else None
 
 
-def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, rescan=0.25):
+def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, rescan=0.25,
+                   start=None, stop=False):
     """Run command (a torchrun launch) in cwd and sample every rank's RssAnon every interval
-    seconds until its stdout has `until` in it (or it ends); then let it finish.
-
+    seconds until its stdout has `until` in it (or it ends); then let it finish (stop: terminate
+    it at once, the rest unmeasured). start: count only the samples taken once stdout has `start`
+    in it, the first of them each rank's base (what the process held as the measured part began).
     The workers are looked for among the launch's descendants every rescan seconds (a scan reads
     every /proc/PID/stat); between scans only the known workers' status files are read.
-    Returns (returncode, stdout, stderr, {rank: peak bytes until then}, whether `until` was seen);
-    after timeout seconds the launch is terminated (torchrun passes SIGTERM on to its workers).
+    Returns (returncode, stdout, stderr, {rank: peak bytes until then}, whether `until` was seen,
+    {rank: base bytes}); after timeout seconds the launch is terminated (torchrun passes SIGTERM
+    on to its workers).
     """
     cwd = Path(cwd)
     deadline = time.monotonic() + timeout
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
         launch = subprocess.Popen([str(part) for part in command], cwd=cwd, env=env, stdout=out,
                                   stderr=err)
-        peaks, workers, scanned, seen = {}, {}, 0.0, False
+        peaks, bases, workers, scanned, seen = {}, {}, {}, 0.0, False
         while launch.poll() is None and time.monotonic() < deadline:
-            if until in (cwd / "stdout.txt").read_text(errors="replace"):
+            printed = (cwd / "stdout.txt").read_text(errors="replace")
+            if until in printed:
                 seen = True
                 break
             if time.monotonic() - scanned > rescan:
@@ -87,9 +91,12 @@ def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, re
                 value = rss_anon(pid)
                 if value is None:
                     del workers[pid]
-                else:
+                elif start is None or start in printed:
+                    bases.setdefault(rank, value)
                     peaks[rank] = max(peaks.get(rank, 0), value)
             time.sleep(interval)
+        if stop and launch.poll() is None:
+            launch.terminate()
         try:
             launch.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -102,7 +109,7 @@ def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, re
     stdout, stderr = ((cwd / name).read_text(errors="replace")
                       for name in ("stdout.txt", "stderr.txt"))
     seen = seen or until in stdout
-    return launch.returncode, stdout, stderr, peaks, seen
+    return launch.returncode, stdout, stderr, peaks, seen, bases
 
 
 def store(model_dir, dtype, safetensors_dir, bin_dir):

@@ -735,7 +735,7 @@ for config, repeat in schedule:
         if config["benchmark"] == "checkpoint":  # the others have no writer to watch
             watching.start()
         if config["benchmark"] == "hf-load":  # RssAnon of each rank, sampled every 10 ms
-            returncode, stdout, stderr, rank_peaks, loaded = rss_anon_peaks(
+            returncode, stdout, stderr, rank_peaks, loaded, _ = rss_anon_peaks(
                 command, workdir, HF_LOAD_UNTIL, env=env, timeout=args.timeout)
         else:
             proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,

@@ -5,14 +5,15 @@ consolidated by rank 0). No rank holds the whole model."""
 import glob
 import os
 import shutil
-import signal
-import subprocess
-import time
+import sys
 
 import pytest
 import torch
 from conftest import LORA, REPO, t5_args, torchrun_command, warning_lines
 from forked_torchrun import SWITCH
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import hf_memory  # noqa: E402  (benchmarks/: the memory sampling the benchmark uses too)
 
 SCRIPT = "t5_fsdp_finetune.py"
 SHARD_BY_SHARD = ["--cpu-ram-efficient-loading", "--fsdp-version", 2]  # test_t5.py's order: one run
@@ -64,10 +65,10 @@ def test_weights_go_in_and_out_unchanged(t5_run, still_t5_dir, untied_t5_dir, mo
 
 
 def test_export_equals_the_gathered_one(t5_run, tiny_t5_dir):
-    """The same training exported shard by shard and, with --full-state-dict, from the whole model
-    gathered on rank 0 (the .pt and the HF files made from it): the same tensors, the same files'
-    names, also with the index that the consolidated files come with."""
-    shards = t5_run(tiny_t5_dir, *SHARD_BY_SHARD)
+    """The same training exported shard by shard (in files of at most 50 KB: several, with their
+    index) and, with --full-state-dict, from the whole model gathered on rank 0 (the .pt and the
+    HF files made from it): the same tensors; config, generation config and tokenizer beside."""
+    shards = t5_run(tiny_t5_dir, *SHARD_BY_SHARD, "--max-file-gb", 50e3 / 2**30)
     gathered = t5_run(tiny_t5_dir, *SHARD_BY_SHARD, "--full-state-dict")
     assert shards.metrics["val_losses"] == gathered.metrics["val_losses"]
     assert_same_tensors(hf_tensors(shards.metrics["checkpoint"]),
@@ -76,6 +77,7 @@ def test_export_equals_the_gathered_one(t5_run, tiny_t5_dir):
     exported = hf_tensors(shards.metrics["checkpoint"])
     assert [name for name, tensor in exported.items() if not torch.equal(tensor, full[name])] == []
     folder = shards.metrics["checkpoint"]
+    assert len(glob.glob(f"{folder}/model-*-of-*.safetensors")) > 1
     assert glob.glob(f"{folder}/model.safetensors.index.json") and not glob.glob(f"{folder}*.tmp")
     assert {"config.json", "generation_config.json", "tokenizer_config.json"} <= {
         path.split("/")[-1] for path in glob.glob(f"{folder}/*")}
@@ -143,84 +145,55 @@ def test_lora_adapters_start_as_peft_starts_them(t5_run, still_t5_dir):
                                                                              rel=0.2)
 
 
-def descendants(root):
-    """The PIDs of root's children, their children, and so on (torchrun's workers are its
-    children, in sessions of their own)."""
-    children = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(pid))
-    found, todo = [], [root]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
+def rss_anon_peaks(command, cwd, until, start=None):
+    """benchmarks/hf_memory.py's sampling of each rank's anonymous memory (RssAnon in
+    /proc/PID/status: not the pages of memory-mapped safetensors files, the kernel's cache), real
+    processes (not forked: their PIDs), stopped once `until` is printed; returns (whether it came,
+    output, [peak bytes per rank], [bytes per rank as `start` was printed])."""
+    _, stdout, stderr, peaks, came, bases = hf_memory.rss_anon_peaks(
+        torchrun_command(REPO / SCRIPT, command, 2), cwd, until, env={**os.environ, SWITCH: "0"},
+        timeout=600, start=start, stop=True)
+    return came, stdout + stderr, [peaks[r] for r in sorted(peaks)], [bases[r] for r in
+                                                                       sorted(bases)]
 
 
-def rss_anon_peaks(command, cwd, until, interval=0.01):
-    """Run command (a torchrun launch) as new processes, sampling every rank's anonymous memory
-    (RssAnon in /proc/PID/status: not the pages of memory-mapped safetensors files, which are the
-    kernel's cache) every interval seconds until the output has the line `until` in it, then stop
-    it (SIGTERM: the rest of the run is not measured); return (whether `until` came, output,
-    [peak bytes per rank until then])."""
-    with open(cwd / "output.txt", "w") as output:
-        launch = subprocess.Popen([str(part) for part in command], cwd=cwd, stdout=output,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, SWITCH: "0"})  # real workers: their PIDs
-        peaks = {}
-        while launch.poll() is None and until not in (cwd / "output.txt").read_text():
-            for pid in descendants(launch.pid):
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        rank = [v for v in f.read().split(b"\0") if v.startswith(b"RANK=")]
-                    with open(f"/proc/{pid}/status") as f:
-                        kib = [int(line.split()[1]) for line in f if line.startswith("RssAnon:")]
-                except (FileNotFoundError, ProcessLookupError, IndexError):
-                    continue  # gone, or not yet a worker
-                if rank and kib:
-                    key = int(rank[0][5:])
-                    peaks[key] = max(peaks.get(key, 0), kib[0] * 1024)
-            time.sleep(interval)
-        came = until in (cwd / "output.txt").read_text()
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGTERM)
-        launch.wait(timeout=120)
-    return came, (cwd / "output.txt").read_text(), [peaks[r] for r in sorted(peaks)]
+# The runs of the memory tests: LoRA (its training state small: the base frozen), 2 ranks.
+MEMORY_RUN = ["--input-length", 32, "--output-length", 16, "--num-train-samples", 4,
+              "--num-val-samples", 4, "--epochs", 1, "--batch-size", 2, *LORA, *SHARD_BY_SHARD]
 
 
-def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_t5_dir, tiny_t5_dir,
-                                                     wikihow_dir):
-    """Each rank's peak anonymous memory while a LoRA run on 2 ranks (its state small: the base
-    frozen) loads a 322 MB T5 stored in bf16, as hub checkpoints often are (the script trains on
-    fp32 master weights), until it is sharded and loaded. Read shard by shard, no rank's peak is
-    above the tiny T5's by more than its half of the model plus 25% of the model (the issue's
-    target); from rank 0 (the .bin fallback: today's way), rank 0's holds it all, converted.
-    (Stored in fp32, from_pretrained's tensors would be the memory-mapped file's: not counted.)"""
+@pytest.fixture(scope="module")
+def wide_bf16(tmp_path_factory, wide_t5_dir):
+    """(safetensors folder, .bin folder, bytes in fp32) of the 322 MB T5 stored in bf16, as hub
+    checkpoints often are (the script trains on fp32 master weights)."""
     from transformers import T5ForConditionalGeneration
 
+    folder = tmp_path_factory.mktemp("wide_bf16")
     bf16 = T5ForConditionalGeneration.from_pretrained(wide_t5_dir).to(torch.bfloat16)
-    stored = shutil.copytree(wide_t5_dir, tmp_path / "wide_bf16", ignore=shutil.ignore_patterns(
-        "*.safetensors"))
+    stored = shutil.copytree(wide_t5_dir, folder / "safetensors",
+                             ignore=shutil.ignore_patterns("*.safetensors"))
     bf16.save_pretrained(stored)
-    stored_bin = shutil.copytree(stored, tmp_path / "wide_bf16_bin",
+    stored_bin = shutil.copytree(stored, folder / "bin",
                                  ignore=shutil.ignore_patterns("*.safetensors"))
     torch.save(bf16.state_dict(), stored_bin / "pytorch_model.bin")
+    return stored, stored_bin, 4 * sum(p.numel() for p in bf16.parameters())
+
+
+def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_bf16, tiny_t5_dir,
+                                                     wikihow_dir):
+    """Each rank's peak anonymous memory while a LoRA run on 2 ranks loads the 322 MB T5 stored in
+    bf16, until it is sharded and loaded. Read shard by shard, no rank's peak is above the tiny
+    T5's by more than its half of the model plus 25% of the model (the issue's target); from rank
+    0 (the .bin fallback: today's way), rank 0's holds it all, converted. (Stored in fp32,
+    from_pretrained's tensors would be the memory-mapped file's: not counted.)"""
+    stored, stored_bin, model = wide_bf16
     peaks = {}
     for name, model_dir in (("tiny", tiny_t5_dir), ("shards", stored), ("rank 0", stored_bin)):
-        args = ["--model-name", model_dir, "--data-dir", wikihow_dir, "--input-length", 32,
-                "--output-length", 16, "--num-train-samples", 4, "--num-val-samples", 4,
-                "--epochs", 1, "--batch-size", 2, "--no-save-model", "--no-run-validation", *LORA,
-                *SHARD_BY_SHARD]
         (tmp_path / name).mkdir()
-        loaded, output, peaks[name] = rss_anon_peaks(torchrun_command(REPO / SCRIPT, args, 2),
-                                                     tmp_path / name, until="FSDP2 sharded")
+        loaded, output, peaks[name], _ = rss_anon_peaks(
+            ["--model-name", model_dir, "--data-dir", wikihow_dir, *MEMORY_RUN, "--no-save-model",
+             "--no-run-validation"], tmp_path / name, until="FSDP2 sharded")
         assert loaded and len(peaks[name]) == 2, (peaks[name], output[-3000:])
-    model = 4 * sum(p.numel() for p in bf16.parameters())  # in fp32, as loaded
     grown = {name: [round((peak - tiny) / model, 2) for peak, tiny in zip(peaks[name],
                                                                         peaks["tiny"])]
              for name in ("shards", "rank 0")}
@@ -229,3 +202,23 @@ def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_t5_dir, tiny
           f"models of {model >> 20} MiB: {grown}")
     assert max(grown["shards"]) <= 0.5 + 0.25, grown
     assert grown["rank 0"][0] >= 0.9, grown  # the whole model: the measurement sees it
+
+
+def test_no_rank_holds_the_whole_model_while_exporting(tmp_path, wide_bf16, wikihow_dir):
+    """Each rank's anonymous memory while the same LoRA run exports its model (fp32 files, the
+    merged model: 322 MB), from the line before the export until its `Saved` line, above what the
+    rank held as the export began: shard by shard, in files of 40 MB, no rank adds more than its
+    half of the model plus 25% of the model; gathered (--full-state-dict, today's way) rank 0 adds
+    all of it."""
+    stored, _, model = wide_bf16
+    grown = {}
+    for name, flags in (("shards", ["--max-file-gb", 0.04]), ("gathered", ["--full-state-dict"])):
+        (tmp_path / name).mkdir()
+        saved, output, peaks, bases = rss_anon_peaks(
+            ["--model-name", stored, "--data-dir", wikihow_dir, *MEMORY_RUN, *flags],
+            tmp_path / name, until="Saved ", start="New Val Loss Record")
+        assert saved and len(peaks) == len(bases) == 2, (peaks, output[-3000:])
+        grown[name] = [round((peak - base) / model, 2) for peak, base in zip(peaks, bases)]
+    print(f"RssAnon added per rank while exporting, in models of {model >> 20} MiB: {grown}")
+    assert max(grown["shards"]) <= 0.5 + 0.25, grown
+    assert grown["gathered"][0] >= 0.9, grown  # the whole model: the measurement sees it
