@@ -15,6 +15,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only lora --dry-run     # the commands it would run; runs nothing
     python benchmarks/run.py --only lora-gpu           # the same rows on one GPU, bf16 compute
     python benchmarks/run.py --only hf-load --out hf_load.md  # RssAnon while loading, 10 min
+    python benchmarks/run.py --only hf-export          # RssAnon while FSDP2 exports, 2 and 4 ranks
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -48,6 +49,11 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   (RssAnon, sampled every 10 ms by benchmarks/hf_memory.py) until the model is sharded, above the
   tests' tiny T5's, against the target (model / world size) + 25% of the model. One run per
   configuration (--hf-load-repeats).
+- Export memory (hf-export, world sizes 2 and 4, CPU, only when asked for): the same model stored in
+  the first of --hf-load-dtypes, LoRA, one epoch, then the export of the merged model: shard by
+  shard (DCP's HF writer) in 5 GB files (the default: one file here) and in 0.1 GB files, and
+  gathered on rank 0 (--full-state-dict, today's way). Each rank's RssAnon from the line before
+  the export until its `Saved` line, above what the rank held as the export began.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -77,7 +83,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "lora-gpu",
-              "hf-load")
+              "hf-load", "hf-export")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -171,6 +177,13 @@ HF_LOAD_RUN = ["--fsdp-version", "2", "--cpu-ram-efficient-loading", *LORA, "--c
 HF_LOAD_UNTIL = "FSDP2 sharded"
 HF_LOAD_FROM_RANK0 = "--cpu-ram-efficient-loading: the model has no safetensors files"
 HF_LOAD_TARGET = 0.25  # the issue's: each rank at most (model / world size) + 25% of the model
+# hf-export: the run of hf-load with validation and saving, so that epoch 1 exports its model.
+HF_EXPORT_RUN = [flag for flag in HF_LOAD_RUN if flag not in ("--no-save-model",
+                                                              "--no-run-validation")]
+HF_EXPORT_WAYS = {"shard by shard, 5 GB files (the default: one)": [],
+                  "shard by shard, 0.1 GB files": ["--max-file-gb", "0.1"],
+                  "gathered on rank 0 (--full-state-dict)": ["--full-state-dict"]}
+HF_EXPORT_FROM, HF_EXPORT_UNTIL = "New Val Loss Record", "Saved "
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -359,7 +372,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
                     "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU), lora, "
-                    "lora-gpu (on one GPU) and hf-load only when asked for)")
+                    "lora-gpu (on one GPU), hf-load and hf-export only when asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -507,7 +520,7 @@ if "lora" in args.only or "lora-gpu" in args.only:
     lora_source += (f", WikiHow from {lora_data}" if args.wikihow_dir
                     else ", data the WikiHow-format fixture CSV of the tests")
 
-if "hf-load" in args.only:  # the fixtures that other benchmarks write too are written once
+if "hf-load" in args.only or "hf-export" in args.only:  # fixtures written once for both
     hf_data = wikihow_dir or tmp / "wikihow"
     hf_tiny, hf_shape = tmp / "hf-load-tiny-t5", tmp / "t5-base-shape"
     hf_models = {(dtype, way): tmp / f"t5-base-{dtype}-{HF_LOAD_WAYS[way].split('.')[-1]}"
@@ -676,6 +689,17 @@ if "hf-load" in args.only:  # CPU; per world size the tiny T5 (the baseline), th
                                      *HF_LOAD_RUN]})
 
 
+if "hf-export" in args.only:  # CPU; the model stored in the first dtype, as safetensors
+    for world_size in HF_LOAD_WORLD_SIZES:
+        for way, flags in HF_EXPORT_WAYS.items():
+            configs.append({"benchmark": "hf-export", "device": "cpu", "world_size": world_size,
+                            "name": way, "way": way, "repeats": args.hf_load_repeats,
+                            "script": "t5_fsdp_finetune.py",
+                            "args": ["--model-name",
+                                     str(hf_models[(args.hf_load_dtypes[0], "shard by shard")]),
+                                     "--data-dir", str(hf_data), *HF_EXPORT_RUN, *flags]})
+
+
 def command_of(config, metrics_path):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
@@ -737,6 +761,10 @@ for config, repeat in schedule:
         if config["benchmark"] == "hf-load":  # RssAnon of each rank, sampled every 10 ms
             returncode, stdout, stderr, rank_peaks, loaded, _ = rss_anon_peaks(
                 command, workdir, HF_LOAD_UNTIL, env=env, timeout=args.timeout)
+        elif config["benchmark"] == "hf-export":  # from the line before the export
+            returncode, stdout, stderr, rank_peaks, saved, rank_bases = rss_anon_peaks(
+                command, workdir, HF_EXPORT_UNTIL, env=env, timeout=args.timeout,
+                start=HF_EXPORT_FROM)
         else:
             proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -778,6 +806,11 @@ for config, repeat in schedule:
                                               writers_cpu_s=run["writers_cpu_s"])
                     if config["benchmark"] == "hf-load":
                         run["figures"].update(hf_load_figures(config, stdout, rank_peaks, loaded))
+                    if config["benchmark"] == "hf-export":
+                        if not saved or sorted(rank_bases) != list(range(config["world_size"])):
+                            raise ValueError(f"no {HF_EXPORT_UNTIL!r} line, or ranks unsampled")
+                        run["figures"].update({f"rank{rank}_mib": (rank_peaks[rank] - base) / MIB
+                                               for rank, base in sorted(rank_bases.items())})
                 except KeyError as e:
                     error = f"its metrics file has no {e} (has the script changed?)"
                 except ValueError as e:
@@ -1099,6 +1132,30 @@ if "lora-gpu" in args.only:
             f"`{' '.join(LORA)}` on q,v, the bf16 base with `--base-dtype bf16`; {runs_said}, "
             "the configurations taking turns. Train samples/s is "
             f"{LORA_GPU_SAMPLES} / the median epoch after the first.\n",
+            markdown_table(headers, rows)]
+
+if "hf-export" in args.only:
+    model_mib = 4 * hf_parameters / MIB if hf_parameters else None  # fp32, as the script trains
+    headers = ["world size", "way", "RssAnon added while exporting, per rank (MiB)",
+               "per rank, in models", "max, in models",
+               f"target: model / N + {HF_LOAD_TARGET:.0%} of it, in models", "within target"]
+    rows = []
+    for c in (c for c in configs if c["benchmark"] == "hf-export"):
+        added = [median(c, f"rank{rank}_mib") for rank in range(c["world_size"])]
+        most = None if None in added else max(added)
+        target = model_mib * (1 / c["world_size"] + HF_LOAD_TARGET) if model_mib else None
+        rows.append([c["world_size"], c["way"] + (" (FAILED)" if c["failed"] else ""),
+                     " / ".join(fmt(a, ".0f") for a in added),
+                     " / ".join(fmt(ratio(a, model_mib), ".2f") for a in added),
+                     fmt(ratio(most, model_mib), ".2f"), fmt(ratio(target, model_mib), ".2f"),
+                     "n/a" if most is None or not target else "yes" if most <= target else "no"])
+    out += ["\n### T5 at t5-base's shape: each rank's memory while FSDP2 exports it (CPU, gloo)\n",
+            f"The hf-load table's model ({fmt(model_mib, ',.0f')} MiB in fp32: the model), stored "
+            f"in {args.hf_load_dtypes[0]} as safetensors, `{' '.join(HF_EXPORT_RUN)}`: after one "
+            "epoch the merged model is exported (fp32 files). Each rank's RssAnon from the line "
+            f"{HF_EXPORT_FROM!r} until {HF_EXPORT_UNTIL!r}, less what it held at the first; "
+            + ("one run" if args.hf_load_repeats == 1
+               else f"median of {args.hf_load_repeats} runs") + " per configuration.\n",
             markdown_table(headers, rows)]
 
 if "hf-load" in args.only:
