@@ -16,6 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+# glibc serves big allocations from its heap once big ones have been freed (its mmap threshold
+# grows), and keeps freed heap memory: a measurement after training would see the export reuse
+# training's freed memory, not what it needs. A fixed threshold maps every allocation of 64 KiB
+# or more on its own and returns it on free, so RssAnon follows the live tensors.
+RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                 "pytorch_model.bin.index.json")
 

@@ -741,9 +741,9 @@ schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
              for repeat in range(1, config["repeats"] + 1)]
-if "hf-load" in args.only:
+if "hf-load" in args.only or "hf-export" in args.only:
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from hf_memory import rss_anon_peaks
+    from hf_memory import RETURN_FREED, rss_anon_peaks
 for config, repeat in schedule:
     if not config["failed"]:
         # Whatever a script writes lands in its own folder.
@@ -763,8 +763,8 @@ for config, repeat in schedule:
                 command, workdir, HF_LOAD_UNTIL, env=env, timeout=args.timeout)
         elif config["benchmark"] == "hf-export":  # from the line before the export
             returncode, stdout, stderr, rank_peaks, saved, rank_bases = rss_anon_peaks(
-                command, workdir, HF_EXPORT_UNTIL, env=env, timeout=args.timeout,
-                start=HF_EXPORT_FROM)
+                command, workdir, HF_EXPORT_UNTIL, env={**env, **RETURN_FREED},
+                timeout=args.timeout, start=HF_EXPORT_FROM)
         else:
             proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
