@@ -207,12 +207,12 @@ def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_bf16, tiny_t
 def test_no_rank_holds_the_whole_model_while_exporting(tmp_path, wide_bf16, wikihow_dir):
     """Each rank's anonymous memory while the same LoRA run exports its model (fp32 files, the
     merged model: 322 MB), from the line before the export until its `Saved` line, above what the
-    rank held as the export began: shard by shard, in files of 40 MB, no rank adds more than its
-    half of the model plus 25% of the model; gathered (--full-state-dict, today's way) rank 0 adds
-    all of it."""
+    rank held as the export began: shard by shard (in 4 files: by default a quarter of the model
+    each) no rank adds more than its half of the model plus 25% of the model; gathered
+    (--full-state-dict, today's way) every rank adds all of it."""
     stored, _, model = wide_bf16
     grown = {}
-    for name, flags in (("shards", ["--max-file-gb", 0.04]), ("gathered", ["--full-state-dict"])):
+    for name, flags in (("shards", []), ("gathered", ["--full-state-dict"])):
         (tmp_path / name).mkdir()
         saved, output, peaks, bases = rss_anon_peaks(
             ["--model-name", stored, "--data-dir", wikihow_dir, *MEMORY_RUN, *flags],
@@ -222,4 +222,4 @@ def test_no_rank_holds_the_whole_model_while_exporting(tmp_path, wide_bf16, wiki
         grown[name] = [round((peak - base) / model, 2) for peak, base in zip(peaks, bases)]
     print(f"RssAnon added per rank while exporting, in models of {model >> 20} MiB: {grown}")
     assert max(grown["shards"]) <= 0.5 + 0.25, grown
-    assert grown["gathered"][0] >= 0.9, grown  # the whole model: the measurement sees it
+    assert min(grown["gathered"]) >= 0.9, grown  # the whole model: the measurement sees it
