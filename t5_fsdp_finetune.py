@@ -354,17 +354,17 @@ def export_model(model, tokenizer, path, cpu_offload=True):
     rank0_print(f"Saved {path}.pt, {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
-def export_shards(model, tokenizer, path, max_file_gb=None):
+def export_shards(model, tokenizer, path):
     """FSDP2's export, no rank holding the whole model: every rank writes its shards in HF's
     safetensors format (DCP's HF writer), which rank 0 consolidates a tensor at a time into the
     files from_pretrained opens, in path-hf (with config, generation config, tokenizer) renamed
     once complete. LoRA: the merged model, and the adapters, gathered, in path-adapter."""
     state, lora = hf_state(model, merge=True), getattr(model, "peft_config", None)
-    # Files of at most max_file_gb (HF's max_shard_size), with an index: the writer copies a
-    # rank's part of one file at a time, twice (FSDP2's padded shards cloned, then serialized).
-    # None: a quarter of the model, at most 5 GB; each rank then copies at most model / 2N.
+    # Files of a quarter of the model, at most 5 GB (HF's max_shard_size), with an index: the
+    # writer copies a rank's part of one file at a time, twice (FSDP2's padded shards cloned, then
+    # serialized), so each rank copies at most model / 2N (one file: 2 model / N).
     total = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
-    max_file_bytes = max_file_gb * 2**30 if max_file_gb else min(5 * 2**30, total / 4)
+    max_file_bytes = min(5 * 2**30, total / 4)
     file_of, index, size = {}, 1, 0
     for name, tensor in state.items():
         nbytes = tensor.numel() * tensor.element_size()
@@ -514,8 +514,7 @@ def main(args, device):
                     export_model(model, tokenizer, state["best_checkpoint"],
                                  cpu_offload=offload_to_cpu(model))
                 else:  # FSDP2: the HF files from every rank's shards
-                    export_shards(model, tokenizer, state["best_checkpoint"],
-                                  max_file_gb=args.max_file_gb)
+                    export_shards(model, tokenizer, state["best_checkpoint"])
         if args.save_model and args.checkpoint_type == "sharded":
             state.update(epoch=epoch, scheduler=scheduler.state_dict(),
                          scaler=scaler.state_dict() if scaler else None)
@@ -598,9 +597,6 @@ def parse_args(argv=None):
              "adapters ...-adapter) and the full state dict ...pt (--full-state-dict)")
     add("--full-state-dict", action=on_off, help="save from the whole model gathered on rank 0, "
         "with the .pt (default: on for FSDP1; FSDP2 writes the HF files from the ranks' shards)")
-    add("--max-file-gb", type=positive(float), metavar="GB", help="FSDP2's exports: safetensors "
-        "files of at most GB (HF's max_shard_size); each rank copies its part of one at a time, "
-        "twice (default: a quarter of the model, at most 5)")
     add("--checkpoint-type", default="full", choices=["full", "sharded"],
         help="full: only the best model, gathered on rank 0; sharded: also a resumable DCP "
              "checkpoint (every rank writes its shards) per epoch: <save-dir>/checkpoint-epoch-N")

@@ -51,8 +51,8 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   configuration (--hf-load-repeats).
 - Export memory (hf-export, world sizes 2 and 4, CPU, only when asked for): the same model stored in
   the first of --hf-load-dtypes, LoRA, one epoch, then the export of the merged model: shard by
-  shard (DCP's HF writer) in files of a quarter of the model (the default) and in one file, and
-  gathered on rank 0 (--full-state-dict, today's way). Each rank's RssAnon from the line before
+  shard (DCP's HF writer, in files of a quarter of the model) and gathered on rank 0
+  (--full-state-dict, today's way). Each rank's RssAnon from the line before
   the export until its `Saved` line, above what the rank held as the export began (glibc made to
   return freed memory: hf_memory.RETURN_FREED).
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
@@ -181,8 +181,7 @@ HF_LOAD_TARGET = 0.25  # the issue's: each rank at most (model / world size) + 2
 # hf-export: the run of hf-load with validation and saving, so that epoch 1 exports its model.
 HF_EXPORT_RUN = [flag for flag in HF_LOAD_RUN if flag not in ("--no-save-model",
                                                               "--no-run-validation")]
-HF_EXPORT_WAYS = {"shard by shard, files of a quarter of the model (the default)": [],
-                  "shard by shard, one file (--max-file-gb 5)": ["--max-file-gb", "5"],
+HF_EXPORT_WAYS = {"shard by shard (files of a quarter of the model)": [],
                   "gathered on rank 0 (--full-state-dict)": ["--full-state-dict"]}
 HF_EXPORT_FROM, HF_EXPORT_UNTIL = "New Val Loss Record", "Saved "
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
