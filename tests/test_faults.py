@@ -66,6 +66,24 @@ def exited(pid):
         return True
 
 
+def kill_rank_0_once(agent, caught):
+    """SIGKILL the agent's rank 0 as soon as caught() returns something, looked at again with rank
+    0 stopped (a rename may have happened since); return that, or None if the run ended first."""
+    rank0 = running_workers(agent)[0]
+    while agent.poll() is None:
+        if caught() is None:
+            time.sleep(0.0005)
+            continue
+        os.kill(rank0, signal.SIGSTOP)
+        wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
+        seen = caught()
+        if seen is not None:
+            os.kill(rank0, signal.SIGKILL)
+            return seen
+        os.kill(rank0, signal.SIGCONT)
+    return None
+
+
 def finish(agent, cwd, timeout=240):
     agent.wait(timeout=timeout)
     return (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
@@ -95,28 +113,20 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     the start, as a save cut short by an older version would leave it: no COMPLETE marker, a
     truncated model.pt. Resume must pass over it.
     """
-    checkpoints, killed = tmp_path / "ckpt", None
+    checkpoints = tmp_path / "ckpt"
     (checkpoints / "step_000015").mkdir(parents=True)
     (checkpoints / "step_000015" / "model.pt").write_bytes(b"cut short")
+
+    def half_written_beside_a_complete_one():
+        half_written = sorted(checkpoints.glob("step_*.tmp"))
+        complete = sorted(p for p in checkpoints.glob("step_*[0-9]")
+                          if (p / "COMPLETE").exists())
+        return (half_written[0], complete[-1]) if half_written and complete else None
+
     agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20,
                    "--checkpoint-dir", "ckpt", "--save-every", 1, *options, max_restarts=1)
     try:
-        rank0 = running_workers(agent)[0]
-        while killed is None and agent.poll() is None:
-            if not list(checkpoints.glob("step_*.tmp")):
-                time.sleep(0.0005)
-                continue
-            # freeze the writer, then look again: the rename may have happened
-            os.kill(rank0, signal.SIGSTOP)
-            wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
-            half_written = sorted(checkpoints.glob("step_*.tmp"))
-            complete = sorted(p for p in checkpoints.glob("step_*[0-9]")
-                              if (p / "COMPLETE").exists())
-            if half_written and complete:
-                killed = (half_written[0], complete[-1])
-                os.kill(rank0, signal.SIGKILL)
-            else:
-                os.kill(rank0, signal.SIGCONT)
+        killed = kill_rank_0_once(agent, half_written_beside_a_complete_one)
         stdout, stderr = finish(agent, tmp_path)
     finally:
         stop(agent)
@@ -242,25 +252,18 @@ def test_fsdp2_t5_killed_while_exporting_keeps_the_previous_export(tmp_path, cac
     reference = cached_torchrun("t5_fsdp_finetune.py", *args)  # test_hf_io.py's, uninterrupted
     assert reference.returncode == 0, reference.output
     assert reference.metrics["val_losses"][1] < reference.metrics["val_losses"][0]  # 2 exports
+
+    def epoch_2_written_beside_epoch_1():
+        writing = sorted(tmp_path.glob("T5-model-*-2-*.tmp"))
+        previous = sorted(tmp_path.glob("T5-model-*-1-*-hf"))
+        if writing and previous:
+            return writing, previous[0], {f.name: f.read_bytes() for f in previous[0].iterdir()}
+        return None
+
     agent = launch(tmp_path, "t5_fsdp_finetune.py", *args, "--checkpoint-type", "sharded",
                    "--resume", "auto", max_restarts=1)
-    killed = None
     try:
-        rank0 = running_workers(agent)[0]
-        while killed is None and agent.poll() is None:
-            if not list(tmp_path.glob("T5-model-*-2-*.tmp")):
-                time.sleep(0.0005)
-                continue
-            os.kill(rank0, signal.SIGSTOP)  # then look again: the rename may have happened
-            wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
-            writing = sorted(tmp_path.glob("T5-model-*-2-*.tmp"))
-            previous = sorted(tmp_path.glob("T5-model-*-1-*-hf"))
-            if writing and previous:
-                files = {f.name: f.read_bytes() for f in previous[0].iterdir()}
-                killed = (writing, previous[0], files)
-                os.kill(rank0, signal.SIGKILL)
-            else:
-                os.kill(rank0, signal.SIGCONT)
+        killed = kill_rank_0_once(agent, epoch_2_written_beside_epoch_1)
         stdout, stderr = finish(agent, tmp_path)
     finally:
         stop(agent)
