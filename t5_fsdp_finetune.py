@@ -1252,6 +1252,17 @@ def check_before_training(args):
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return
     lock_folder("--save-dir", args.save_dir)
+    # An attempt killed while exporting left its unfinished folder (or .pt) under its own start
+    # time's name, which no later export replaces: the folder is this job's now, so they go.
+    unfinished = glob.glob(os.path.join(args.save_dir, "T5-model-*.tmp"))
+    if unfinished and dist.get_rank() == 0:
+        for path in unfinished:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        rank0_print(f"Removed {len(unfinished)} unfinished export(s) of an interrupted run: "
+                    + ", ".join(sorted(os.path.basename(path) for path in unfinished)))
     old = sorted(glob.glob(os.path.join(args.save_dir, "checkpoint-epoch-*")))
     if args.resume or not old:
         return

@@ -243,8 +243,9 @@ def test_fsdp2_t5_killed_while_exporting_keeps_the_previous_export(tmp_path, cac
     """FSDP2 exports shard by shard (test_hf_io.py) under --max-restarts 1 and --resume auto:
     rank 0, which consolidates the files and renames the folder, is SIGKILLed while epoch 2's
     export is being written. Epoch 1's export is left as it was and still opens; the killed one
-    left only .tmp names, none that from_pretrained would take for a model; the restarted run
-    resumes from epoch 1's checkpoint and exports the uninterrupted run's epoch-2 model."""
+    left only .tmp names, none that from_pretrained would take for a model, and the restarted run
+    removes them, resumes from epoch 1's checkpoint and exports the uninterrupted run's epoch-2
+    model."""
     from test_hf_io import SHARD_BY_SHARD, assert_same_tensors, hf_tensors
     from transformers import T5ForConditionalGeneration
 
@@ -274,6 +275,9 @@ def test_fsdp2_t5_killed_while_exporting_keeps_the_previous_export(tmp_path, cac
     T5ForConditionalGeneration.from_pretrained(previous)  # opens
     cut = writing[0].name.split("-hf")[0]  # T5-model-<date>-2-<loss>: the killed attempt's
     assert [p.name for p in tmp_path.glob(f"{cut}*") if not p.name.endswith(".tmp")] == []
+    # which the restart removed, under its lock of the folder: nothing unfinished is left
+    assert f"unfinished export(s) of an interrupted run: {writing[0].name}" in stdout
+    assert not list(tmp_path.glob("*.tmp"))
     assert f"Resumed from {tmp_path / 'checkpoint-epoch-1'} (epoch 1 done)" in stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["val_losses"] == reference.metrics["val_losses"]
