@@ -49,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
-    FSDPModule,
     MixedPrecision,
     MixedPrecisionPolicy,
     ShardingStrategy,
@@ -641,6 +640,7 @@ import huggingface_hub
 import torch.multiprocessing as mp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from transformers.utils import logging as hf_logging
 
