@@ -96,6 +96,9 @@ CASES = [  # id, script, args, what the error line must say
      ["--save-dir", "a_file/out", "Not a directory"]),
     ("T5 resume auto without sharded checkpoints", "t5_fsdp_finetune.py", ["--resume", "auto"],
      ["--resume auto", "--checkpoint-type sharded"]),
+    ("T5 FSDP1 without the full state dict", "t5_fsdp_finetune.py", ["--no-full-state-dict"],
+     ["--no-full-state-dict", "FSDP1 writes its HF files from the full state dict",
+      "--fsdp-version 2"]),
     # Silent wrong results before: divergence, edited metadata, shared folders, mixed runs.
     ("MNIST diverging", "fsdp1_mnist.py", ["--lr", "1e30"],
      ["training diverged", "a gradient of optimizer step", "not finite", "--lr"]),
