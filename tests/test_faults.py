@@ -66,22 +66,27 @@ def exited(pid):
         return True
 
 
-def kill_rank_0_once(agent, caught):
-    """SIGKILL the agent's rank 0 as soon as caught() returns something, looked at again with rank
-    0 stopped (a rename may have happened since); return that, or None if the run ended first."""
-    rank0 = running_workers(agent)[0]
-    while agent.poll() is None:
-        if caught() is None:
-            time.sleep(0.0005)
-            continue
-        os.kill(rank0, signal.SIGSTOP)
-        wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
-        seen = caught()
-        if seen is not None:
-            os.kill(rank0, signal.SIGKILL)
-            return seen
-        os.kill(rank0, signal.SIGCONT)
-    return None
+def restarted_after_killing_rank_0(cwd, script, args, caught, writing):
+    """Run script under torchrun --max-restarts 1 and SIGKILL its rank 0 as soon as caught()
+    returns something, looked at again with rank 0 stopped (a rename may have happened since);
+    the restarted run must end well. Returns (what caught saw, stdout)."""
+    agent, seen = launch(cwd, script, *args, max_restarts=1), None
+    try:
+        rank0 = running_workers(agent)[0]
+        while seen is None and agent.poll() is None:
+            if caught() is None:
+                time.sleep(0.0005)
+                continue
+            os.kill(rank0, signal.SIGSTOP)
+            wait_for(lambda: proc_stat(rank0)[0] == "T", 10, "rank 0 to stop")
+            seen = caught()
+            os.kill(rank0, signal.SIGCONT if seen is None else signal.SIGKILL)
+        stdout, stderr = finish(agent, cwd)
+    finally:
+        stop(agent)
+    assert seen is not None, f"the run ended before {writing} could be interrupted"
+    assert agent.returncode == 0, stderr
+    return seen, stdout
 
 
 def finish(agent, cwd, timeout=240):
@@ -123,16 +128,10 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
                           if (p / "COMPLETE").exists())
         return (half_written[0], complete[-1]) if half_written and complete else None
 
-    agent = launch(tmp_path, "fsdp2_transformer.py", *FSDP2_TINY, "--steps", 20,
-                   "--checkpoint-dir", "ckpt", "--save-every", 1, *options, max_restarts=1)
-    try:
-        killed = kill_rank_0_once(agent, half_written_beside_a_complete_one)
-        stdout, stderr = finish(agent, tmp_path)
-    finally:
-        stop(agent)
-    assert killed, "the run ended before a checkpoint write could be interrupted"
-    half_written, previous = killed
-    assert agent.returncode == 0, stderr
+    (half_written, previous), stdout = restarted_after_killing_rank_0(
+        tmp_path, "fsdp2_transformer.py",
+        [*FSDP2_TINY, "--steps", 20, "--checkpoint-dir", "ckpt", "--save-every", 1, *options],
+        half_written_beside_a_complete_one, writing="a checkpoint write")
     step = int(previous.name[5:])
     assert half_written.name == f"step_{step + 1:06d}.tmp"
     assert (f"Ignoring incomplete checkpoint {checkpoints / 'step_000015'} "
@@ -261,16 +260,10 @@ def test_fsdp2_t5_killed_while_exporting_keeps_the_previous_export(tmp_path, cac
             return writing, previous[0], {f.name: f.read_bytes() for f in previous[0].iterdir()}
         return None
 
-    agent = launch(tmp_path, "t5_fsdp_finetune.py", *args, "--checkpoint-type", "sharded",
-                   "--resume", "auto", max_restarts=1)
-    try:
-        killed = kill_rank_0_once(agent, epoch_2_written_beside_epoch_1)
-        stdout, stderr = finish(agent, tmp_path)
-    finally:
-        stop(agent)
-    assert killed, "the run ended before an export could be interrupted"
-    writing, previous, files = killed
-    assert agent.returncode == 0, stderr
+    (writing, previous, files), stdout = restarted_after_killing_rank_0(
+        tmp_path, "t5_fsdp_finetune.py",
+        [*args, "--checkpoint-type", "sharded", "--resume", "auto"],
+        epoch_2_written_beside_epoch_1, writing="an export")
     assert {f.name: f.read_bytes() for f in previous.iterdir()} == files
     T5ForConditionalGeneration.from_pretrained(previous)  # opens
     cut = writing[0].name.split("-hf")[0]  # T5-model-<date>-2-<loss>: the killed attempt's
