@@ -108,6 +108,28 @@ def test_lora_benchmark_runs_what_it_says():
                                     for plan in plans) == 2
 
 
+def test_export_and_gpu_benchmarks_run_what_they_say():
+    """--only hf-export lora-gpu --dry-run (no GPU needed to list them): hf-export runs FSDP2 with
+    LoRA, loading shard by shard and saving, at 2 and 4 ranks, each once shard by shard and once
+    gathered (--full-state-dict); lora-gpu the six LoRA rows on one process, not on the CPU."""
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "hf-export",
+                           "lora-gpu", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    runs = [line for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    export = [run for run in runs if "--cpu-ram-efficient-loading" in run]
+    assert sorted((run.split("--nproc_per_node ")[1][0], "--full-state-dict" in run)
+                  for run in export) == [("2", False), ("2", True), ("4", False), ("4", True)]
+    assert all("--fsdp-version 2" in run and "--lora-rank 16" in run
+               and "--no-save-model" not in run and "--no-run-validation" not in run
+               for run in export)
+    gpu = [run for run in runs if run not in export]
+    assert len(gpu) == 6 and all("--nproc_per_node 1" in run and "--cpu" not in run.split()
+                                 and "--mixed-precision bf16" in run for run in gpu)
+    assert sorted(("--lora-rank" in run, "--base-dtype bf16" in run, run.split()[-3])
+                  for run in gpu) == sorted((lora, bf16, v) for v in "12" for lora, bf16 in
+                                            ((False, False), (True, False), (True, True)))
+
+
 def test_memory_picture_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(REPO / "benchmarks"))
