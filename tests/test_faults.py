@@ -111,7 +111,7 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     """torchrun --max-restarts 1; rank 0 (the one that marks checkpoints complete) is SIGKILLed
     while a checkpoint is half-written (for asynchronous ones: while the background write is in
     flight). The restarted workers resume from the newest complete checkpoint and end with the
-    uninterrupted run's state.
+    uninterrupted run's state, and no process of the run (no checkpoint writer) is left.
 
     Full checkpoints go through the DCP API here (the reference run used the DTensor API: the files
     must be the same); sharded ones must hold the same tensors. A step_000015 folder is there from
@@ -148,6 +148,7 @@ def test_fsdp2_killed_while_checkpointing_restarts_from_the_checkpoint_before(tm
     expected = full_state_of(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+    assert processes_left(tmp_path) == []  # nor the killed rank's checkpoint writer
 
 
 def start_until_a_writer(cwd, of_rank=None):
