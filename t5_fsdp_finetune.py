@@ -375,9 +375,6 @@ def export_shards(model, tokenizer, path):
     adapters = {name.replace(".default.weight", ".weight"): tensor.full_tensor()
                 for name, tensor in get_model_state_dict(model).items() if "lora_" in name}
     files = f"{path}-hf.files.tmp"  # DCP's consolidated files; the ranks' in files/sharded
-    if dist.get_rank() == 0:
-        shutil.rmtree(files, ignore_errors=True)  # the leftover of a crash
-    dist.barrier()
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(
         files, save_distributed=True, enable_consolidation=True, fqn_to_index_mapping=file_of))
     if dist.get_rank() == 0:
