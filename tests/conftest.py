@@ -1,8 +1,10 @@
 """Shared fixtures: offline datasets and a helper that runs a script under torch.distributed.run."""
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -95,6 +97,33 @@ def start_early(request, offline_hf):
     for module in dict.fromkeys(item.module for item in request.session.items):
         if hasattr(module, "start_early"):
             module.start_early(request)
+
+
+class Idle:
+    """A command started at the lowest CPU priority (nice 19, the processes it starts too), in its
+    own session, output to files in cwd: it runs on the cores the other tests leave idle (26% of
+    the 2 cores' time during the suite, from /proc/stat over a CI run) and hardly slows the tests
+    beside it (nice 0 against 19: they get 98.5% of a busy core). wait() gives (return code,
+    stdout, stderr); a run still going as the session ends is killed with all it started."""
+
+    def __init__(self, request, command, cwd, env=None):
+        self.cwd = Path(cwd)
+        with open(self.cwd / "idle.stdout", "w") as out, open(self.cwd / "idle.stderr", "w") as err:
+            self.proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=out,
+                                         stderr=err, start_new_session=True,
+                                         preexec_fn=lambda: os.nice(19))
+        request.addfinalizer(self.kill)
+
+    def wait(self, timeout):
+        self.proc.wait(timeout=timeout)
+        return (self.proc.returncode, (self.cwd / "idle.stdout").read_text(),
+                (self.cwd / "idle.stderr").read_text())
+
+    def kill(self):
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 @pytest.fixture(scope="session")

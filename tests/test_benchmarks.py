@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, Idle
 
 HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
            "ideal 1/N", "peak RSS / rank (MiB)", "time / step (ms)", "tokens/s",
@@ -22,20 +22,33 @@ MEDIANS = {"train state / rank (MiB)": ("state_mib", 3), "peak RSS / rank (MiB)"
            "time / step (ms)": ("step_ms", 2), "tokens/s": ("tokens_per_s", 0)}
 
 
+RUN = {}  # the harness command: its Idle run, its folder
+
+
+def start_early(request):
+    """Start the harness at the lowest priority as the session starts (conftest): it runs on the
+    cores the other tests leave idle, and the tests that read it, which run last, wait for it."""
+    if not any("harness" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        return  # none of the tests that read it is selected (pytest -k)
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("benchmarks")
+    RUN["tmp"] = tmp
+    RUN["run"] = Idle(request, [sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
+                                "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
+                                "--fsdp2-options", "plain", "--repeats", "3",
+                                "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
+                      tmp,
+                      # One thread per process, as torchrun gives 2 ranks: a lone process would
+                      # take every core, and OpenMP's spinning threads make it several times
+                      # slower while other tests run.
+                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("benchmarks")
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
-                           "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
-                           "--fsdp2-options", "plain", "--repeats", "3",
-                           "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
-                          cwd=tmp, capture_output=True, text=True, timeout=300,
-                          # One thread per process, as torchrun gives 2 ranks: a lone process
-                          # would take every core, and OpenMP's spinning threads make it several
-                          # times slower while other tests run.
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    raw = json.loads((tmp / "runs.json").read_text())
-    return proc, (tmp / "tables.md").read_text(), raw["runs"]
+def harness():
+    returncode, stdout, stderr = RUN["run"].wait(timeout=600)
+    raw = json.loads((RUN["tmp"] / "runs.json").read_text())
+    return (subprocess.CompletedProcess([], returncode, stdout, stderr),
+            (RUN["tmp"] / "tables.md").read_text(), raw["runs"])
 
 
 def table_rows(markdown):

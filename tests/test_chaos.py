@@ -20,27 +20,37 @@ step 6 (measured on 2 busy cores: steps 3-5); a run that ended before its kill w
 (no kill counted), not pass it; after its restart each case trains and saves 9 or more steps."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, Idle
 
 ROOT = os.geteuid() == 0  # mounting a small tmpfs needs root
 
 
-@pytest.fixture(scope="module")
-def chaos(tmp_path_factory):
-    """(chaos.py's output, {case: its row})."""
-    cwd = tmp_path_factory.mktemp("chaos")
+RUN = {}  # the chaos.py command: its Idle run, its folder
+
+
+def start_early(request):
+    """Start the chaos.py command at the lowest priority as the session starts (conftest): it runs
+    on the cores the other tests leave idle, and this file's tests, which run last, wait for it."""
+    if not any("chaos" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        return  # none of the tests that read it is selected (pytest -k)
+    cwd = request.getfixturevalue("tmp_path_factory").mktemp("chaos")
     cases = ["sharded-async", "async-kill-writer-while-writing",
              *(["disk-full-sharded-async"] if ROOT else [])]
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
-                           "--kills", "1", "--fills", "1", "--steps", "15", "--seed", "0",
-                           "--json", cwd / "rows.json"],
-                          cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, {row["case"]: row for row in json.loads((cwd / "rows.json").read_text())}
+    RUN["cwd"] = cwd
+    RUN["run"] = Idle(request, [sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
+                                "--kills", "1", "--fills", "1", "--steps", "15", "--seed", "0",
+                                "--json", cwd / "rows.json"], cwd)
+
+
+@pytest.fixture(scope="module")
+def chaos():
+    """(chaos.py's output, {case: its row})."""
+    returncode, stdout, stderr = RUN["run"].wait(timeout=900)
+    assert returncode == 0, stdout + stderr
+    return stdout, {row["case"]: row for row in json.loads((RUN["cwd"] / "rows.json").read_text())}
 
 
 def test_random_kills_recover_to_the_uninterrupted_runs_final_state(chaos):
