@@ -1249,17 +1249,7 @@ def check_before_training(args):
     if not (args.save_model and args.checkpoint_type == "sharded"):
         return
     lock_folder("--save-dir", args.save_dir)
-    # An attempt killed while exporting left its unfinished folder (or .pt) under its own start
-    # time's name, which no later export replaces: the folder is this job's now, so they go.
-    unfinished = glob.glob(os.path.join(args.save_dir, "T5-model-*.tmp"))
-    if unfinished and dist.get_rank() == 0:
-        for path in unfinished:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-        rank0_print(f"Removed {len(unfinished)} unfinished export(s) of an interrupted run: "
-                    + ", ".join(sorted(os.path.basename(path) for path in unfinished)))
+    remove_unfinished_exports(args.save_dir)
     old = sorted(glob.glob(os.path.join(args.save_dir, "checkpoint-epoch-*")))
     if args.resume or not old:
         return
@@ -1268,6 +1258,29 @@ def check_before_training(args):
         for path in old:
             shutil.rmtree(path, ignore_errors=True)
         rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
+
+
+def remove_unfinished_exports(save_dir):
+    """An attempt killed while exporting left its unfinished folder (or .pt) under its own start
+    time's name, which no later export replaces: the folder is this job's now (its lock), so rank
+    0 removes them and says so; one that cannot be removed stops the run in one line."""
+    error, unfinished = None, []
+    if dist.get_rank() == 0:
+        unfinished = sorted(glob.glob(os.path.join(glob.escape(save_dir), "T5-model-*.tmp")))
+        for path in unfinished:
+            try:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError as e:
+                error = (f"cannot remove {path}, an unfinished export of an interrupted run "
+                         f"({e.strerror or e}); remove it, or pass another --save-dir")
+                break
+    agree_on_error(error)
+    if unfinished:
+        rank0_print(f"Removed {len(unfinished)} unfinished export(s) of an interrupted run: "
+                    + ", ".join(os.path.basename(path) for path in unfinished))
 
 
 # ==================================================================================================

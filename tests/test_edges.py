@@ -150,6 +150,24 @@ def test_t5_saves_on_a_full_disk(tmp_path, small_disk, tiny_t5_dir, wikihow_dir)
     assert processes_left(tmp_path) == []
 
 
+def test_t5_unfinished_export_that_cannot_go_stops_in_one_line(tmp_path, small_disk, tiny_t5_dir,
+                                                                 wikihow_dir):
+    """A run that holds --save-dir (sharded checkpoints) removes the unfinished exports an
+    interrupted attempt left (test_faults.py); one it cannot remove (here a mount point: EBUSY)
+    stops every rank before training, in one line that names it, and the rest stays."""
+    out = tmp_path / "out"
+    unfinished = small_disk(out / "T5-model-2026-01-01-000000-2-1.0000-hf.tmp", "1m")
+    (unfinished / "model.safetensors").write_bytes(b"half written")
+    args = t5_args(tiny_t5_dir, wikihow_dir, 1, "--checkpoint-type", "sharded", "--save-dir", out)
+    result = run_command(torchrun_command("t5_fsdp_finetune.py", args, 2), tmp_path, timeout=180)
+    line = single_error_line(result)
+    assert result.returncode != 0
+    assert (f"cannot remove {unfinished}, an unfinished export of an interrupted run (Device or "
+            "resource busy); remove it, or pass another --save-dir") in line, line
+    assert "Train Epoch" not in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == [unfinished.name]
+
+
 def start(cwd, command):
     """Start command in cwd in a session of its own (as a terminal's job), its output in files."""
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
