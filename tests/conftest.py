@@ -103,15 +103,16 @@ class Idle:
     """A command started at the lowest CPU priority (nice 19, the processes it starts too), in its
     own session, output to files in cwd: it runs on the cores the other tests leave idle (26% of
     the 2 cores' time during the suite, from /proc/stat over a CI run) and hardly slows the tests
-    beside it (nice 0 against 19: they get 98.5% of a busy core). wait() gives (return code,
-    stdout, stderr); a run still going as the session ends is killed with all it started."""
+    beside it (nice 0 against 19: they get about 98.5% of a busy core). wait() gives (return
+    code, stdout, stderr); a run still going as the session ends is killed with all it started.
+    Through the nice command, not Popen's preexec_fn, which may deadlock in a process with threads
+    (test_bad_input's pool has started by then)."""
 
     def __init__(self, request, command, cwd, env=None):
         self.cwd = Path(cwd)
         with open(self.cwd / "idle.stdout", "w") as out, open(self.cwd / "idle.stderr", "w") as err:
-            self.proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=out,
-                                         stderr=err, start_new_session=True,
-                                         preexec_fn=lambda: os.nice(19))
+            self.proc = subprocess.Popen(["nice", "-n", "19", *map(str, command)], cwd=cwd,
+                                         env=env, stdout=out, stderr=err, start_new_session=True)
         request.addfinalizer(self.kill)
 
     def wait(self, timeout):

@@ -22,7 +22,7 @@ MEDIANS = {"train state / rank (MiB)": ("state_mib", 3), "peak RSS / rank (MiB)"
            "time / step (ms)": ("step_ms", 2), "tokens/s": ("tokens_per_s", 0)}
 
 
-RUN = {}  # the harness command: its Idle run, its folder
+RUN = {}  # "harness": the harness command, an Idle run
 
 
 def start_early(request):
@@ -31,24 +31,21 @@ def start_early(request):
     if not any("harness" in getattr(item, "fixturenames", ()) for item in request.session.items):
         return  # none of the tests that read it is selected (pytest -k)
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("benchmarks")
-    RUN["tmp"] = tmp
-    RUN["run"] = Idle(request, [sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2",
-                                "--fsdp2-steps", "5", "--fsdp2-world-sizes", "1", "3",
-                                "--fsdp2-options", "plain", "--repeats", "3",
-                                "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"],
-                      tmp,
-                      # One thread per process, as torchrun gives 2 ranks: a lone process would
-                      # take every core, and OpenMP's spinning threads make it several times
-                      # slower while other tests run.
-                      env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2", "--fsdp2-steps",
+               "5", "--fsdp2-world-sizes", "1", "3", "--fsdp2-options", "plain", "--repeats", "3",
+               "--out", tmp / "tables.md", "--raw-json", tmp / "runs.json"]
+    # One thread per process, as torchrun gives 2 ranks: a lone process would take every core,
+    # and OpenMP's spinning threads make it several times slower while other tests run.
+    RUN["harness"] = Idle(request, command, tmp, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
 def harness():
-    returncode, stdout, stderr = RUN["run"].wait(timeout=600)
-    raw = json.loads((RUN["tmp"] / "runs.json").read_text())
+    run = RUN["harness"]
+    returncode, stdout, stderr = run.wait(timeout=600)
+    raw = json.loads((run.cwd / "runs.json").read_text())
     return (subprocess.CompletedProcess([], returncode, stdout, stderr),
-            (RUN["tmp"] / "tables.md").read_text(), raw["runs"])
+            (run.cwd / "tables.md").read_text(), raw["runs"])
 
 
 def table_rows(markdown):

@@ -28,7 +28,7 @@ from conftest import REPO, Idle
 ROOT = os.geteuid() == 0  # mounting a small tmpfs needs root
 
 
-RUN = {}  # the chaos.py command: its Idle run, its folder
+RUN = {}  # "chaos": the chaos.py command, an Idle run
 
 
 def start_early(request):
@@ -39,18 +39,18 @@ def start_early(request):
     cwd = request.getfixturevalue("tmp_path_factory").mktemp("chaos")
     cases = ["sharded-async", "async-kill-writer-while-writing",
              *(["disk-full-sharded-async"] if ROOT else [])]
-    RUN["cwd"] = cwd
-    RUN["run"] = Idle(request, [sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases,
-                                "--kills", "1", "--fills", "1", "--steps", "15", "--seed", "0",
-                                "--json", cwd / "rows.json"], cwd)
+    command = [sys.executable, REPO / "benchmarks" / "chaos.py", "--cases", *cases, "--kills", "1",
+               "--fills", "1", "--steps", "15", "--seed", "0", "--json", cwd / "rows.json"]
+    RUN["chaos"] = Idle(request, command, cwd)
 
 
 @pytest.fixture(scope="module")
 def chaos():
     """(chaos.py's output, {case: its row})."""
-    returncode, stdout, stderr = RUN["run"].wait(timeout=900)
+    returncode, stdout, stderr = RUN["chaos"].wait(timeout=900)
     assert returncode == 0, stdout + stderr
-    return stdout, {row["case"]: row for row in json.loads((RUN["cwd"] / "rows.json").read_text())}
+    rows = json.loads((RUN["chaos"].cwd / "rows.json").read_text())
+    return stdout, {row["case"]: row for row in rows}
 
 
 def test_random_kills_recover_to_the_uninterrupted_runs_final_state(chaos):
