@@ -55,6 +55,24 @@ def pytest_configure(config):
 SMOKE = pytest.mark.smoke  # SMOKE("fsdp2_transformer.py"): a test of the smoke tier
 
 
+# The most the suite holds on disk at once, measured over a whole run (`df` every second): 1.9 GB,
+# the three 640 MB checkpoints of test_fsdp2_scale's async-save test. Passing tests' folders go at
+# their end (pyproject.toml); with less room tests would fail here and there with ENOSPC.
+DISK_NEEDED_GB = 3
+
+
+def pytest_sessionstart(session):
+    """Stop at once, in one line, where the temporary folder's disk has too little room."""
+    folder = Path(session.config.option.basetemp or tempfile.gettempdir()).resolve()
+    while not folder.exists():  # --basetemp may name a folder still to be made
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free / 1e9
+    if free < DISK_NEEDED_GB:
+        pytest.exit(f"the tests need {DISK_NEEDED_GB} GB free under {folder}, which has "
+                    f"{free:.1f} GB: free some, or pass --basetemp on a disk with room",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def pytest_collection_finish(session):
     """With SMOKE_SCRIPTS_FILE set, write the scripts the collected smoke tests name (for
     test_layout.py's check that the tier covers all four)."""

@@ -4,7 +4,8 @@ leaves nothing running.
 
 A full disk is real: a small tmpfs that the test mounts (root only; skipped otherwise). The
 scripts check the free space before each save; a copy of a script without that check meets the
-disk filling up (ENOSPC) during the write itself, as when another process fills the disk."""
+disk filling up (ENOSPC) during the write itself, as when another process fills the disk. The
+suite itself stops at once where its own folder's disk has too little room."""
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import time
 
 import pytest
 from conftest import (
+    DISK_NEEDED_GB,
     FSDP2_TINY,
     MNIST_TINY,
     REPO,
@@ -271,3 +273,32 @@ def test_a_bug_under_python_shows_its_traceback(tmp_path, mnist_dir, script):
     assert "Traceback (most recent call last)" in run.stderr, run.output
     assert "ValueError: a bug that no safeguard knows" in run.stderr, run.output
     assert processes_left(tmp_path) == []
+
+
+def test_the_suite_stops_at_once_on_a_disk_without_room(tmp_path, small_disk):
+    """pytest with a temporary folder on a disk without the room the suite needs stops before any
+    test, in one line that says so, where tests would fail one by one with ENOSPC."""
+    disk = small_disk(tmp_path / "disk", "64m")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                             "--basetemp", disk / "basetemp", "tests/test_layout.py"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert re.search(rf"the tests need {DISK_NEEDED_GB} GB free under {disk}, which has 0.1 GB: "
+                     r"free some, or pass --basetemp on a disk with room", result.stdout)
+    assert " passed" not in result.stdout and not (disk / "basetemp").exists()
+
+
+def test_a_passing_tests_folder_goes_at_its_end_a_failing_ones_stays(tmp_path):
+    """pyproject.toml's retention: the suite's checkpoints are gone test by test, not kept for
+    three sessions (16 GB), and a failure's files stay to be looked at."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_passes(tmp_path):\n    (tmp_path / 'checkpoint').write_bytes(bytes(10**6))\n"
+        "def test_fails(tmp_path):\n    (tmp_path / 'checkpoint').write_bytes(bytes(10**6))\n"
+        "    assert False\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-c", REPO / "pyproject.toml",
+                             "-p", "no:cacheprovider", "--basetemp", tmp_path / "basetemp",
+                             "--rootdir", tmp_path, tmp_path / "test_two.py"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 passed" in result.stdout, result.stdout + result.stderr
+    folders = [p.name for p in (tmp_path / "basetemp").iterdir() if not p.is_symlink()]
+    assert folders == ["test_fails0"], folders
