@@ -1,6 +1,7 @@
 """Shared fixtures: offline datasets and a helper that runs a script under torch.distributed.run."""
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,24 +119,34 @@ def start_early(request, offline_hf):
             module.start_early(request)
 
 
+IDLE_MARK = b"FSDP_TESTS_IDLE=1"  # in the environment of every process an Idle starts
+
+
 class Idle:
-    """A command started at the lowest CPU priority (nice 19, the processes it starts too), in its
-    own session, output to files in cwd: it runs on the cores the other tests leave idle (26% of
-    the 2 cores' time during the suite, from /proc/stat over a CI run) and hardly slows the tests
-    beside it (nice 0 against 19: they get about 98.5% of a busy core). wait() gives (return
-    code, stdout, stderr); a run still going as the session ends is killed with all it started.
-    Through the nice command, not Popen's preexec_fn, which may deadlock in a process with threads
-    (test_bad_input's pool has started by then)."""
+    """A command started at the lowest CPU priority, in its own session, output to files in cwd:
+    it runs on the cores the other tests leave idle (26% of the 2 cores' time during the suite,
+    from /proc/stat over a CI run) and hardly slows the tests beside it. wait() gives (return
+    code, stdout, stderr); a run still going as the session ends (request's) is killed with all it
+    started. The priority: nice 19 (through the nice command, not Popen's preexec_fn, which may
+    deadlock in a process with threads), and, where Linux groups each session's processes for
+    scheduling (autogroup), the group's nice 19 too (lower_idle_autogroups)."""
 
     def __init__(self, request, command, cwd, env=None):
         self.cwd = Path(cwd)
+        env = {**(env or os.environ), **dict([IDLE_MARK.decode().split("=")])}
         with open(self.cwd / "idle.stdout", "w") as out, open(self.cwd / "idle.stderr", "w") as err:
             self.proc = subprocess.Popen(["nice", "-n", "19", *map(str, command)], cwd=cwd,
                                          env=env, stdout=out, stderr=err, start_new_session=True)
-        request.addfinalizer(self.kill)
+        if request:  # else the caller kills it (IdleQueue)
+            request.addfinalizer(self.kill)
+        start_lowering_idle_autogroups()
 
     def wait(self, timeout):
-        self.proc.wait(timeout=timeout)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
         return (self.proc.returncode, (self.cwd / "idle.stdout").read_text(),
                 (self.cwd / "idle.stderr").read_text())
 
@@ -143,6 +155,60 @@ class Idle:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def lower_idle_autogroups():
+    """Every second, give nice 19 to the scheduling group of each session an Idle's processes
+    run in. With autogroup (Linux's default on desktops and on CI here), a process's nice counts
+    only within its session's group, and the groups share the CPU fairly: torchrun starts each
+    worker in a session of its own, so an Idle's workers, though at nice 19, took as much as
+    the tests' (55% of the CPU in the suite's first minutes, the idle time that came later left
+    unused). A group's nice is set by writing to /proc/PID/autogroup."""
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if IDLE_MARK in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    group = Path(f"/proc/{pid}/autogroup")
+                    if not group.read_text().rstrip().endswith(" nice 19"):
+                        group.write_text("19")
+        time.sleep(1)
+
+
+@functools.cache
+def start_lowering_idle_autogroups():
+    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    if enabled.exists() and enabled.read_text().strip() == "1":
+        threading.Thread(target=lower_idle_autogroups, daemon=True).start()
+
+
+class IdleQueue:
+    """Commands run one after another, each an Idle, from a thread of their own: run(command, cwd,
+    timeout) gives a future of its Run. One at a time, not all at once: a T5 run holds 1-2 GB, and
+    the idle time they fill comes a little at a time. The session's end stops the queue and kills
+    the command running."""
+
+    def __init__(self, request):
+        self.pool, self.lock = ThreadPoolExecutor(max_workers=1), threading.Lock()
+        self.current, self.stopped = None, False
+        request.addfinalizer(self.stop)
+
+    def run(self, command, cwd, timeout):
+        return self.pool.submit(self._run, command, cwd, timeout)
+
+    def _run(self, command, cwd, timeout):
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("the session ended before this command started")
+            self.current = Idle(None, command, cwd)
+        returncode, stdout, stderr = self.current.wait(timeout)
+        return Run(returncode, stdout, stderr, None, Path(cwd))
+
+    def stop(self):
+        with self.lock:
+            self.stopped = True
+            if self.current:
+                self.current.kill()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,11 @@ bit-identically, an export that from_pretrained opens. A unit that calls a safeg
 with a NameError (the last test shows it)."""
 import ast
 import shutil
+import sys
 import textwrap
 
 import pytest
-from conftest import REPO, run_command, torchrun_command
+from conftest import REPO, IdleQueue, torchrun_command
 
 FENCE = "# " + "=" * 98 + "\n"
 
@@ -54,11 +55,12 @@ def source_of(text, name):
     return "".join(lines[node.lineno - 1:node.end_lineno])
 
 
-def run_copy(tmp_path, script, units, driver, *args, text=None):
-    """Write the copy of units plus driver into tmp_path/lesson_copy.py; run it on 2 ranks."""
-    copy = tmp_path / "lesson_copy.py"  # not copy.py, which would hide the standard module
+def copy_command(folder, script, units, driver, *args, text=None):
+    """Write the copy of units plus driver into folder/lesson_copy.py; the command that runs it on
+    2 ranks."""
+    copy = folder / "lesson_copy.py"  # not copy.py, which would hide the standard module
     copy.write_text(lesson_copy(script, units, text) + driver)
-    return run_command(torchrun_command(copy, args, 2), tmp_path, timeout=300)
+    return torchrun_command(copy, args, 2)
 
 
 def job(body):
@@ -127,11 +129,11 @@ FSDP2_UNITS = ["Transformer", "tensor_parallel_plan", "shard_model", "train_step
                "AsyncCheckpointer", "rank_batch", "task_rules"]
 
 
-def test_fsdp2_units_run_copied_alone(tmp_path):
+def test_fsdp2_units_run_copied_alone():
     """The sharding, the tensor parallel plan, the step and the checkpointers, copied alone: a
     tensor parallel step has FSDP's loss and gradient norm, and a checkpoint saved by either
     layout loads into the other bit for bit, in every format."""
-    run = run_copy(tmp_path, "fsdp2_transformer.py", FSDP2_UNITS, FSDP2_DRIVER, tmp_path)
+    run = copy_run("fsdp2")
     assert run.returncode == 0 and "round trips across layouts ok" in run.stdout, run.output
 
 
@@ -161,15 +163,17 @@ rank0_print("copied units: train, test, save and load ok")
 
 # FSDP1's save_model on CPU with cpu_offload=False, as the script passes there (offload_to_cpu:
 # the offloading gather breaks in torch 2.11, requirements.txt's floor); DDP's has no such option.
-@pytest.mark.parametrize("script, wrap, save", [
-    ("fsdp1_mnist.py", "dict(auto_wrap_min_params=20000, sharding_strategy='FULL_SHARD', "
+MNIST_OPTIONS = {  # script: (wrap_model's keyword arguments, save_model's)
+    "fsdp1_mnist.py": ("dict(auto_wrap_min_params=20000, sharding_strategy='FULL_SHARD', "
                        "cpu_offload=False, backward_prefetch='BACKWARD_PRE', "
                        "use_orig_params=False)", "dict(cpu_offload=False)"),
-    ("ddp_mnist.py", "{}", "{}"),
-])
-def test_mnist_units_run_copied_alone(tmp_path, script, wrap, save):
-    run = run_copy(tmp_path, script, ["Net", "wrap_model", "train", "test", "save_model"],
-                   f"WRAP = {wrap}\nSAVE = {save}\n" + MNIST_DRIVER, tmp_path)
+    "ddp_mnist.py": ("{}", "{}"),
+}
+
+
+@pytest.mark.parametrize("script", list(MNIST_OPTIONS))
+def test_mnist_units_run_copied_alone(script):
+    run = copy_run(script)
     assert run.returncode == 0 and "save and load ok" in run.stdout, run.output
 
 
@@ -268,11 +272,12 @@ T5_UNITS = ["load_model_and_tokenizer", "add_lora", "load_data", "rank_loader", 
             "train", "validation", "save_sharded_checkpoint", "load_sharded_checkpoint"]
 
 
-@pytest.mark.parametrize("version, model", [
-    (1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"),
-    (2, "untied, read shard by shard, LoRA")])
-def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow_dir, version,
-                                   model):
+T5_MODELS = [(1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"),
+             (2, "untied, read shard by shard, LoRA")]
+
+
+@pytest.mark.parametrize("version, model", T5_MODELS)
+def test_t5_units_run_copied_alone(version, model):
     """wrap_model (FSDP1) or shard_model (FSDP2) copied alone with the units around them: a tied
     T5 (t5-small style) whose weights only rank 0 loads (FSDP1: materialize_on and
     sync_module_states; FSDP2: broadcast), and an untied one (flan-t5 style) whose ranks read
@@ -281,24 +286,82 @@ def test_t5_units_run_copied_alone(tmp_path, tiny_t5_dir, untied_t5_dir, wikihow
     (export_shards). The exports open with from_pretrained (and PEFT's adapters with
     PeftModel.from_pretrained), and their logits equal the sharded model's; the sharded
     checkpoint (with LoRA, of the adapters alone) round-trips into a freshly loaded model."""
-    shutil.copy(REPO / "summarization_dataset.py", tmp_path)  # the lesson imports it
-    units = T5_UNITS + (["wrap_model", "POLICIES", "export_model"] if version == 1 else [
-        "shard_model", "POLICIES_FSDP2", "hf_state", "load_pretrained_shards", "export_shards"])
-    tied = model.startswith("tied")
-    run = run_copy(tmp_path, "t5_fsdp_finetune.py", units, T5_DRIVER,
-                   tiny_t5_dir if tied else untied_t5_dir, wikihow_dir, tmp_path, version,
-                   int("rank 0" in model), int("LoRA" in model), int("shard by shard" in model))
+    run = copy_run(f"t5 {version}, {model}")
     assert run.returncode == 0 and "round trip ok" in run.stdout, run.output
-    assert (tmp_path / "best.pt").exists() == (version == 1) and not list(tmp_path.glob("*.tmp"))
+    assert (run.cwd / "best.pt").exists() == (version == 1) and not list(run.cwd.glob("*.tmp"))
 
 
-def test_a_unit_that_calls_a_safeguard_does_not_run_copied(tmp_path):
+def test_a_unit_that_calls_a_safeguard_does_not_run_copied():
     """The check above catches what it is for: train_step made to call a safeguard (describe_fsdp)
     fails in its copy, where the safeguards are not."""
-    text = (REPO / "fsdp2_transformer.py").read_text()
-    step = "    optimizer.zero_grad()\n"
-    assert step in text
-    broken = text.replace(step, step + "    describe_fsdp(model)\n", 1)
-    run = run_copy(tmp_path, "fsdp2_transformer.py", FSDP2_UNITS, FSDP2_DRIVER, tmp_path,
-                   text=broken)
+    run = copy_run("fsdp2, train_step calling a safeguard")
     assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output
+
+
+# ---------------------------------------------------------------------------------- the runs
+def copy_commands(folder, fixture):
+    """{name: a function that writes a copy into folder and gives the command that runs it}, for
+    every copy the tests above run; fixture(name) gives a session fixture's value."""
+    def fsdp2(text=None):
+        return copy_command(folder, "fsdp2_transformer.py", FSDP2_UNITS, FSDP2_DRIVER, folder,
+                            text=text)
+
+    def mnist(script):
+        wrap, save = MNIST_OPTIONS[script]
+        return copy_command(folder, script, ["Net", "wrap_model", "train", "test", "save_model"],
+                            f"WRAP = {wrap}\nSAVE = {save}\n" + MNIST_DRIVER, folder)
+
+    def t5(version, model):
+        shutil.copy(REPO / "summarization_dataset.py", folder)  # the lesson imports it
+        units = T5_UNITS + (["wrap_model", "POLICIES", "export_model"] if version == 1 else [
+            "shard_model", "POLICIES_FSDP2", "hf_state", "load_pretrained_shards",
+            "export_shards"])
+        tied = model.startswith("tied")
+        return copy_command(folder, "t5_fsdp_finetune.py", units, T5_DRIVER,
+                            fixture("tiny_t5_dir" if tied else "untied_t5_dir"),
+                            fixture("wikihow_dir"), folder, version, int("rank 0" in model),
+                            int("LoRA" in model), int("shard by shard" in model))
+
+    def safeguard_called():
+        text = (REPO / "fsdp2_transformer.py").read_text()
+        step = "    optimizer.zero_grad()\n"
+        assert step in text
+        return fsdp2(text=text.replace(step, step + "    describe_fsdp(model)\n", 1))
+
+    return {**{f"t5 {version}, {model}": lambda v=version, m=model: t5(v, m)
+               for version, model in T5_MODELS},
+            "fsdp2": fsdp2, "fsdp2, train_step calling a safeguard": safeguard_called,
+            **{script: lambda s=script: mnist(s) for script in MNIST_OPTIONS}}
+
+
+RUNS = {}  # name: the future of its Run (start_early)
+
+
+def case_of(item):
+    """The name of the copy the test item reads."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    return {"test_fsdp2_units_run_copied_alone": "fsdp2",
+            "test_a_unit_that_calls_a_safeguard_does_not_run_copied":
+                "fsdp2, train_step calling a safeguard",
+            "test_mnist_units_run_copied_alone": params and params.get("script"),
+            "test_t5_units_run_copied_alone": params and f"t5 {params.get('version')}, "
+                                                         f"{params.get('model')}",
+            }[item.originalname]
+
+
+def start_early(request):
+    """Queue the selected tests' copies as the session starts (conftest): they run one at a time,
+    at the lowest priority, on the cores the other tests leave idle, in folders of their own, and
+    this file's tests, which run last, wait for theirs. The T5 copies, the longest, go first."""
+    queue = IdleQueue(request)
+    factory, fixture = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue
+    selected = {case_of(item) for item in request.session.items
+                if getattr(item, "module", None) is sys.modules[__name__]}
+    for name in copy_commands(None, fixture):
+        if name in selected:
+            folder = factory.mktemp("copy")
+            RUNS[name] = queue.run(copy_commands(folder, fixture)[name](), folder, timeout=900)
+
+
+def copy_run(name):
+    return RUNS[name].result(timeout=1800)
