@@ -201,7 +201,9 @@ class IdleQueue:
                 raise RuntimeError("the session ended before this command started")
             self.current = Idle(None, command, cwd)
         returncode, stdout, stderr = self.current.wait(timeout)
-        return Run(returncode, stdout, stderr, None, Path(cwd))
+        metrics = Path(cwd) / "metrics.json"  # where the command wrote one (--metrics-json)
+        return Run(returncode, stdout, stderr,
+                   json.loads(metrics.read_text()) if metrics.exists() else None, Path(cwd))
 
     def stop(self):
         with self.lock:
@@ -408,18 +410,41 @@ def cached_torchrun(tmp_path_factory):
     """Like torchrun, but one run per distinct command line for the whole session.
 
     Several tests read the same training run (accuracy, parity, memory, saved model); this keeps
-    each test self-contained without paying for the same run twice.
+    each test self-contained without paying for the same run twice. A run queued by
+    queue_cached_run is waited for.
     """
     cache = {}
 
     def run(script, *args, nproc=2, timeout=300):
         key = (script, tuple(map(str, args)), nproc)
-        if key not in cache:
+        if key not in cache and key in EARLY_RUNS:
+            cache[key] = EARLY_RUNS[key].result(timeout=1800)
+        elif key not in cache:
             cwd = tmp_path_factory.mktemp(Path(script).stem)
             cache[key] = run_command(torchrun_command(script, args, nproc), cwd, timeout)
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def idle_queue(request):
+    """The session's IdleQueue, for start_early's commands: one queue, in the order queued."""
+    return IdleQueue(request)
+
+
+EARLY_RUNS = {}  # cached_torchrun's key: the future of the Run that queue_cached_run queued
+
+
+def queue_cached_run(request, script, *args, nproc=2):
+    """From a start_early: queue the run that cached_torchrun(script, *args, nproc=nproc) gives,
+    in the background at the lowest priority (idle_queue), as new processes (a run with a
+    forked agent and workers would start from the test process's priority)."""
+    key = (script, tuple(map(str, args)), nproc)
+    if key not in EARLY_RUNS:
+        cwd = request.getfixturevalue("tmp_path_factory").mktemp(Path(script).stem)
+        command = [*torchrun_command(script, args, nproc), "--metrics-json", cwd / "metrics.json"]
+        EARLY_RUNS[key] = request.getfixturevalue("idle_queue").run(command, cwd, timeout=900)
 
 
 def t5_args(model_dir, data_dir, epochs, *args):

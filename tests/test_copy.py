@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import REPO, IdleQueue, torchrun_command
+from conftest import REPO, torchrun_command
 
 FENCE = "# " + "=" * 98 + "\n"
 
@@ -353,7 +353,7 @@ def start_early(request):
     """Queue the selected tests' copies as the session starts (conftest): they run one at a time,
     at the lowest priority, on the cores the other tests leave idle, in folders of their own, and
     this file's tests, which run last, wait for theirs. The T5 copies, the longest, go first."""
-    queue = IdleQueue(request)
+    queue = request.getfixturevalue("idle_queue")
     factory, fixture = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue
     selected = {case_of(item) for item in request.session.items
                 if getattr(item, "module", None) is sys.modules[__name__]}

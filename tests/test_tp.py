@@ -16,6 +16,7 @@ from conftest import (
     REPO,
     full_state_of,
     plan_of,
+    queue_cached_run,
     run_command,
     single_error_line,
     warning_lines,
@@ -29,6 +30,23 @@ CONFIG = {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4, "seq_len": 1
 TP = [*FSDP2_TINY, "--steps", 20, "--tp-degree", 2]  # 20 steps of FSDP2_TINY on a (2, 2) mesh
 # torch's own warning log lines ("[rank0]:W1126 ..."), which warning_lines does not see
 TORCH_WARNING = re.compile(r"^\[rank\d+\]:W\d{4} ", re.M)
+
+
+# The runs of TP's own (not the 1-D ones that other files read too): started early (start_early)
+TP_REFERENCE = ["--checkpoint-dir", "ckpt", "--save-every", 10, "--checkpoint-format", "sharded",
+                "--async-checkpoint"]
+TP_HSDP = ["--replicate-degree", 2, "--grad-accum-steps", 2, "--activation-checkpointing",
+           "--checkpoint-dir", "ckpt", "--save-every", 20]
+TP_MIXED = ["--mixed-precision", "--explicit-prefetching", "--steps", 10]
+
+
+def start_early(request):
+    """Queue TP's own runs as the session starts (conftest): they run at the lowest priority on
+    the cores the other tests leave idle, and this file's tests, which run last, wait for them."""
+    if any("tp_run" in getattr(item, "fixturenames", ()) for item in request.session.items
+           if getattr(item, "module", None) is sys.modules[__name__]):
+        for options in (TP_REFERENCE, TP_HSDP, TP_MIXED):
+            queue_cached_run(request, SCRIPT, *TP, *options, nproc=4)
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +64,7 @@ def tp_run(cached_torchrun):
 @pytest.fixture(scope="session")
 def tp_reference(tp_run):
     """(dp 2, tp 2), with sharded checkpoints written in the background at steps 10 and 20."""
-    return tp_run("--checkpoint-dir", "ckpt", "--save-every", 10, "--checkpoint-format", "sharded",
-                  "--async-checkpoint")
+    return tp_run(*TP_REFERENCE)
 
 
 @pytest.fixture
@@ -63,8 +80,7 @@ def test_tensor_parallel_trains_the_same_model(tp_reference, tp_run, fsdp2_refer
     checkpointing: per step, the losses and gradient norms (the norm over both mesh dimensions,
     which clipping at 1.0 uses: the reference's exceed it) of 1-D FSDP on 2 ranks and of one
     process, within 1e-5; each rank holds its 2-D part; no warning, torch's log included."""
-    hsdp = tp_run("--replicate-degree", 2, "--grad-accum-steps", 2, "--activation-checkpointing",
-                  "--checkpoint-dir", "ckpt", "--save-every", 20)
+    hsdp = tp_run(*TP_HSDP)
     reference = fsdp2_reference.metrics
     assert max(reference["grad_norms"]) > 1.0  # clipped
     for run, layout in [(tp_reference, "sharded Shard(0) over 2 ranks"),
@@ -94,7 +110,7 @@ def test_mixed_precision_under_tensor_parallel(tp_run, fsdp2_reference):
     losses, as 1-D FSDP's mixed precision is (tests/test_fsdp2.py). bf16 keeps 8 significant
     bits: each logit is off by up to 2^-8 of itself, and AdamW's steps carry such differences
     on; the losses measured differ by about 2e-4, and really are not the fp32 ones."""
-    run = tp_run("--mixed-precision", "--explicit-prefetching", "--steps", 10)
+    run = tp_run(*TP_MIXED)
     assert "Unsharded parameters are bfloat16" in run.stdout
     losses = fsdp2_reference.metrics["losses"][:10]
     assert run.metrics["losses"] == pytest.approx(losses, rel=2e-2)
