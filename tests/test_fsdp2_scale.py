@@ -109,7 +109,9 @@ def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path
 
 def test_an_async_save_that_waits_for_the_write_before_says_so(torchrun, tmp_path):
     """Saves one step apart, each of 640 MB: the background write of one outlasts the step before
-    the next, so the next save waits for it, and the line says why the pause is long."""
+    the next (1.8 s against a 0.9 s step on CI), so the next save waits for it, and the line says
+    why the pause is long. One of the two later saves at least: on a fast moment of the disk the
+    other's write may end within its step (CI, once)."""
     result = torchrun(SCRIPT, "--dim", 768, "--n-layers", 6, "--n-heads", 12, "--vocab-size",
                       8000, "--seq-len", 8, "--batch-size", 1, "--steps", 3, "--save-every", 1,
                       "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-format", "sharded",
@@ -118,10 +120,12 @@ def test_an_async_save_that_waits_for_the_write_before_says_so(torchrun, tmp_pat
     waits = re.findall(r"Waited (\d+\.\d\d) s for the previous checkpoint's background write: "
                        r"it takes longer than --save-every steps of training; save less often, "
                        r"or to a faster disk", result.stdout)
-    assert len(waits) == 2 and all(float(w) > 0.5 for w in waits), result.stdout
-    # the pause of a save that waited includes the wait
+    assert 1 <= len(waits) <= 2 and all(float(w) > 0.5 for w in waits), result.stdout
+    # the pause of a save that waited includes the wait: each wait, in order, has a later save
+    # (one of its own) that paused longer
     stalls = result.metrics["checkpoint_stall_s"]
-    assert all(p > float(w) for p, w in zip(stalls[1:], waits))
+    later = iter(stalls[1:])
+    assert all(any(p > float(w) for p in later) for w in waits), (stalls, waits)
     # each save's line gives its own pause (the copy's end less the save's start), though it is
     # printed once the write is done, after the next save has started
     printed = re.findall(r"\(in the background\), training paused (-?\d+\.\d\d) s", result.stdout)
