@@ -89,9 +89,11 @@ def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path
     memory run while the next step trains, and only that step's optimizer.step() waits for them.
     Each save's pause (in --metrics-json and its line) is shorter than its check and copy took,
     each later one shorter than any (a save that waited for its copy would pause longer: it would
-    include them)."""
+    include them). Five steps apart, as each save's background write of 660 MB (the two ranks'
+    halves) may take longer than three steps on CI's disk (0.5-0.9 s a step), the next save then
+    waiting for it: its pause the disk's, not the copy's (CI, once)."""
     result = torchrun(SCRIPT, "--dim", 768, "--n-layers", 6, "--n-heads", 12, "--vocab-size",
-                      8000, "--seq-len", 32, "--batch-size", 4, "--steps", 9, "--save-every", 3,
+                      8000, "--seq-len", 32, "--batch-size", 4, "--steps", 15, "--save-every", 5,
                       "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-format", "sharded",
                       "--async-checkpoint")
     assert result.returncode == 0, result.output
