@@ -119,7 +119,7 @@ def start_early(request, offline_hf):
             module.start_early(request)
 
 
-IDLE_MARK = b"FSDP_TESTS_IDLE=1"  # in the environment of every process an Idle starts
+IDLE_VARIABLE = "FSDP_TESTS_IDLE"  # set to 1 in the environment of every process an Idle starts
 
 
 class Idle:
@@ -133,7 +133,7 @@ class Idle:
 
     def __init__(self, request, command, cwd, env=None):
         self.cwd = Path(cwd)
-        env = {**(env or os.environ), **dict([IDLE_MARK.decode().split("=")])}
+        env = {**(env or os.environ), IDLE_VARIABLE: "1"}
         with open(self.cwd / "idle.stdout", "w") as out, open(self.cwd / "idle.stderr", "w") as err:
             self.proc = subprocess.Popen(["nice", "-n", "19", *map(str, command)], cwd=cwd,
                                          env=env, stdout=out, stderr=err, start_new_session=True)
@@ -164,10 +164,11 @@ def lower_idle_autogroups():
     worker in a session of its own, so an Idle's workers, though at nice 19, took as much as
     the tests' (55% of the CPU in the suite's first minutes, the idle time that came later left
     unused). A group's nice is set by writing to /proc/PID/autogroup."""
+    mark = f"{IDLE_VARIABLE}=1".encode()
     while True:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError):
-                if IDLE_MARK in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                     group = Path(f"/proc/{pid}/autogroup")
                     if not group.read_text().rstrip().endswith(" nice 19"):
                         group.write_text("19")
@@ -201,9 +202,7 @@ class IdleQueue:
                 raise RuntimeError("the session ended before this command started")
             self.current = Idle(None, command, cwd)
         returncode, stdout, stderr = self.current.wait(timeout)
-        metrics = Path(cwd) / "metrics.json"  # where the command wrote one (--metrics-json)
-        return Run(returncode, stdout, stderr,
-                   json.loads(metrics.read_text()) if metrics.exists() else None, Path(cwd))
+        return Run(returncode, stdout, stderr, metrics_in(cwd), Path(cwd))
 
     def stop(self):
         with self.lock:
@@ -308,8 +307,13 @@ def run_command(command, cwd, timeout, env=None):
         proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               env=env)
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
-    return Run(returncode, stdout, stderr, metrics, Path(cwd))
+    return Run(returncode, stdout, stderr, metrics_in(cwd), Path(cwd))
+
+
+def metrics_in(cwd):
+    """The metrics JSON a run wrote into cwd (--metrics-json cwd/metrics.json), or None."""
+    path = Path(cwd) / "metrics.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -416,7 +420,7 @@ def cached_torchrun(tmp_path_factory):
     cache = {}
 
     def run(script, *args, nproc=2, timeout=300):
-        key = (script, tuple(map(str, args)), nproc)
+        key = cached_key(script, args, nproc)
         if key not in cache and key in EARLY_RUNS:
             cache[key] = EARLY_RUNS[key].result(timeout=1800)
         elif key not in cache:
@@ -436,11 +440,16 @@ def idle_queue(request):
 EARLY_RUNS = {}  # cached_torchrun's key: the future of the Run that queue_cached_run queued
 
 
+def cached_key(script, args, nproc):
+    """The key of a run in cached_torchrun's cache and in EARLY_RUNS."""
+    return script, tuple(map(str, args)), nproc
+
+
 def queue_cached_run(request, script, *args, nproc=2):
     """From a start_early: queue the run that cached_torchrun(script, *args, nproc=nproc) gives,
     in the background at the lowest priority (idle_queue), as new processes (a run with a
     forked agent and workers would start from the test process's priority)."""
-    key = (script, tuple(map(str, args)), nproc)
+    key = cached_key(script, args, nproc)
     if key not in EARLY_RUNS:
         cwd = request.getfixturevalue("tmp_path_factory").mktemp(Path(script).stem)
         command = [*torchrun_command(script, args, nproc), "--metrics-json", cwd / "metrics.json"]
