@@ -827,10 +827,11 @@ class CheckedCheckpointer(Checkpointer):
     parameters and a save the disk cannot hold, stops every rank in one line if a write fails (its
     .tmp folder removed); its files reach the disk before the marker does. A resume reads only a
     checkpoint whose marker and tensors fit this model, and a read that fails stops every rank in
-    one line. pauses: the seconds each save blocked training."""
+    one line. pauses: the seconds each save blocked training; waits: the part of them spent
+    waiting for the previous save's background write (asynchronous)."""
 
     def __init__(self, folder, config, **options):
-        self.started, self.last, self.path, self.pauses = None, None, None, []
+        self.started, self.last, self.path, self.pauses, self.waits = None, None, None, [], []
         self.doing = None  # what a background write was doing, for its error line
         super().__init__(os.path.abspath(folder), config, **options)
 
@@ -839,6 +840,7 @@ class CheckedCheckpointer(Checkpointer):
         self.wait()  # (asynchronous) the previous save's line reads its start: set it after
         self.started = started
         waited = time.perf_counter() - started
+        self.waits.append(waited)
         if waited > 0.5:  # an asynchronous save's pause is then the disk's, not the copy's
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
@@ -1241,9 +1243,9 @@ class StepLog:
                             if figures["tflops_per_gpu"] is not None else
                             f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
         self.report.training_done(model, optimizer, trained=bool(self.losses))
-        checkpoint, pauses, staging, staging_s = None, [], None, None
+        checkpoint, pauses, waits, staging, staging_s = None, [], [], None, None
         if checkpointer is not None:
-            checkpoint, pauses = checkpointer.last, checkpointer.pauses
+            checkpoint, pauses, waits = checkpointer.last, checkpointer.pauses, checkpointer.waits
         if isinstance(checkpointer, AsyncCheckpointer):
             staging, staging_s = checkpointer.staged_bytes, checkpointer.stager.seconds
         if pauses:
@@ -1255,7 +1257,7 @@ class StepLog:
             grad_norms=self.grad_norms, first_step=self.first,
             step=max(self.first - 1, self.last_step), tokens_per_s=tokens_per_s,
             step_time_s=step_time, warmup_steps=max(warmup, 0), step_times_s=self.seconds,
-            checkpoint=checkpoint, checkpoint_stall_s=pauses,
+            checkpoint=checkpoint, checkpoint_stall_s=pauses, checkpoint_wait_s=waits,
             checkpoint_staging_bytes=staging, checkpoint_staging_s=staging_s, **figures)
 
 
