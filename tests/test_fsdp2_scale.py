@@ -87,11 +87,13 @@ def test_async_saves_reuse_their_staging_memory_and_all_complete(fsdp2_sharded_r
 def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path):
     """An asynchronous save returns at once: its divergence check and its copy of 330 MB into host
     memory run while the next step trains, and only that step's optimizer.step() waits for them.
-    Each save's pause (in --metrics-json and its line) is shorter than its check and copy took,
-    each later one shorter than any (a save that waited for its copy would pause longer: it would
-    include them). A save that first waits for the previous one's background write of 660 MB (the
-    two ranks' halves; it may outlast five steps on CI's busy disk, 0.5-0.9 s a step) pauses for
-    that too: --metrics-json gives that wait apart (checkpoint_wait_s), left out here."""
+    Each save's pause (in --metrics-json and its line) is shorter than its own check and copy took
+    (a save that waited for its copy would pause longer: it would include them). Not shorter than
+    another save's: one whose copy outlasts the next step's forward and backward pauses for the
+    rest, which may exceed a later, faster copy (here, under load: 0.21 s against 0.16 s). A save
+    that first waits for the previous one's background write of 660 MB (the two ranks' halves; it
+    may outlast five steps on CI's busy disk) pauses for that too: --metrics-json gives that wait
+    apart (checkpoint_wait_s), left out here (CI, once, likely so: 0.22 s against a 0.13 s copy)."""
     result = torchrun(SCRIPT, "--dim", 768, "--n-layers", 6, "--n-heads", 12, "--vocab-size",
                       8000, "--seq-len", 32, "--batch-size", 4, "--steps", 15, "--save-every", 5,
                       "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-format", "sharded",
@@ -101,7 +103,7 @@ def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path
         "checkpoint_stall_s", "checkpoint_wait_s", "checkpoint_staging_s"))
     assert len(pauses) == len(waits) == len(staging) == 3 and min(staging) > 0.05, staging
     own = [pause - wait for pause, wait in zip(pauses, waits)]  # the save's, not the disk's
-    assert max(own[1:]) < min(staging[1:]) and own[0] < staging[0], (pauses, waits, staging)
+    assert all(o < s for o, s in zip(own, staging)), (pauses, waits, staging)
     printed = re.findall(r"\(in the background\), training paused (\d+\.\d\d) s", result.stdout)
     # A line printed (once written) before the next step waited for the copy lacks that wait,
     # which is shorter than the copy: on a loaded machine, up to 0.02 s here. Rounded to 0.01 s.
