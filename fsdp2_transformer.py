@@ -558,7 +558,7 @@ def parse_args(argv=None):
     add_fresh_start_flags(add)  # --no-resume, --overwrite (safeguards of --checkpoint-dir)
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (safe_launch)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
-    add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
+    add_plan_flags(parser, PLAN_HELP)  # --plan: will it fit? (the planner, below the safeguards)
     return exit_if_plan(parser.parse_args(argv))  # --plan prints the memory plan and exits
 
 
@@ -576,7 +576,6 @@ import multiprocessing.connection
 import multiprocessing.resource_tracker
 import signal
 import statistics
-import sys
 import threading
 import time
 import warnings
@@ -586,10 +585,12 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.fsdp import FSDPModule
 
 from safe_launch import (
+    PLAN_RANKS,
     PROGRESS,
     RankZeroArgumentParser,
     Report,
     Script,
+    add_plan_flags,
     add_run_flags,
     agree_on_error,
     aligned,
@@ -599,7 +600,9 @@ from safe_launch import (
     launch,
     lock_folder,
     newest_complete,
+    plan_sizes,
     positive,
+    print_plan,
     root_cause,
     saving,
     stop_if_diverged,
@@ -920,8 +923,8 @@ class CheckedCheckpointer(Checkpointer):
         try:
             step = super().load(model, optimizer, self.path)
         except (Exception, dcp.CheckpointException) as e:  # DCP raises on every rank
-            error = (f"cannot read checkpoint {self.path} ({one_line(root_cause(e))}); delete it "
-                     "to resume from the checkpoint before it, or pass --no-resume")
+            error = (f"cannot read checkpoint {self.path} ({error_summary(root_cause(e))}); delete "
+                     "it to resume from the checkpoint before it, or pass --no-resume")
         agree_on_error(error)
         return step
 
@@ -973,7 +976,7 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
         except NonFinite as e:
             error = f"training diverged: {e}; {DIVERGED}"
         except Exception as e:
-            error = f"cannot copy checkpoint {self.path} to host memory ({one_line(e)})"
+            error = f"cannot copy checkpoint {self.path} to host memory ({error_summary(e)})"
         if staging is not None:
             errors = [None] * dist.get_world_size()  # a rank's copy may fail alone
             dist.all_gather_object(errors, error)
@@ -1003,7 +1006,7 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
                     error = f"training diverged: {e}; {DIVERGED}"
                 except (Exception, dcp.CheckpointException) as e:  # the latter: BaseException
                     error = (write_problem(e, self.path, ELSEWHERE)
-                             or f"cannot {self.doing} ({one_line(root_cause(e))})")
+                             or f"cannot {self.doing} ({error_summary(root_cause(e))})")
             states = [None] * dist.get_world_size()
             dist.all_gather_object(states, (finished, error))
             if all(finished for finished, _ in states) or any(error for _, error in states):
@@ -1111,7 +1114,7 @@ def resume_hint(args):
     return rerun_resumes(os.path.abspath(args.checkpoint_dir))
 
 
-def one_line(error):
+def error_summary(error):
     """An exception's type and first sentence, on one line."""
     text = " ".join(str(error).split()).split(". ")[0][:200]
     return f"{type(error).__name__}: {text}"
@@ -1305,31 +1308,17 @@ def flops_per_token(model, seq_len):
 # against measured runs (the training state exactly, the saved activations); the peaks of a 1B
 # model on an H100 were within 6% (benchmarks/README.md).
 # ==================================================================================================
-PLAN_RANKS = (1, 2, 4, 8, 16, 32, 64)
 NOT_COUNTED = ("not counted: the CUDA context (about 0.5 GiB per GPU), allocator fragmentation, "
                "NCCL buffers, the DataLoader worker")
-
-
-def add_plan_flags(parser):
-    add = parser.add_argument_group("plan: will it fit? (no training)").add_argument
-    add("--plan", action="store_true", help="print each rank's predicted memory for these flags "
-        "(training state, gathered FSDP units, activations, logits) at --world-size and for "
-        "1-64 ranks, whether it fits --plan-device-memory, and the cheapest flags that would "
-        f"make it fit; then exit without training ({NOT_COUNTED}). Checked against real runs: "
-        "the training state to the byte; peaks of a 1B model on an H100 within 6%%")
-    add("--plan-device-memory", type=positive(float), metavar="GiB", help="one device's memory "
-        "for --plan (default: the visible GPU's, else 80)")
+PLAN_HELP = (f"({NOT_COUNTED}.) Checked against real runs: the training state to the byte; peaks "
+             "of a 1B model on an H100 within 6%%")  # --plan's help, after what it does
 
 
 def exit_if_plan(args):
     """args, unless --plan: then print the plan (rank 0), write it to --metrics-json, exit 0."""
     if not args.plan:
         return args
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size or (
-        torch.cuda.device_count() if use_cuda else 0) or 2))
-    device_gib = args.plan_device_memory or (
-        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
+    world_size, local_world_size, device_gib = plan_sizes(args)
     config = dict(vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers,
                   n_heads=args.n_heads, seq_len=args.seq_len)
     options = {"batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
@@ -1337,19 +1326,15 @@ def exit_if_plan(args):
                "reshard_after_forward": not args.no_reshard_after_forward,
                "prefetch": args.prefetch_depth if args.explicit_prefetching else 1,
                "activation_checkpointing": args.activation_checkpointing, "tp": args.tp_degree}
-    problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    problem = check_sizes(args, world_size, local_world_size)
     if problem:
         fail(f"--plan: {problem}")
     with torch.device("meta"):  # shapes only: no memory, no weights
         model = Transformer(**config)
     plan = memory_plan(model, world_size, args.replicate_degree, **options)
     plan["fits"] = plan["peak_bytes"] <= device_gib * 2**30
-    rank0_print(plan_text(model, plan, world_size, args.replicate_degree, device_gib, options))
-    if args.metrics_json and int(os.environ.get("RANK", "0")) == 0:
-        with open(f"{args.metrics_json}.tmp", "w") as f:
-            json.dump({"script": os.path.basename(__file__), "plan": plan}, f, indent=2)
-        os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
-    sys.exit(0)
+    print_plan(plan_text(model, plan, world_size, args.replicate_degree, device_gib, options),
+               plan, args.metrics_json, script=os.path.basename(__file__))
 
 
 def tensor_parallel_dims(model):
@@ -1519,7 +1504,8 @@ def ways_to_fit(model, world_size, replicate, device_gib, options):
 # scripts share, holds the launching, the process group and the one-line errors).
 # ==================================================================================================
 def run(argv=None):
-    """Parse the flags and run main on every rank (python, torchrun, srun, Ray Train)."""
+    """Parse the flags and run main on every rank: the commands of the docstring, srun, or a Ray
+    Train worker (README.md, 'On a cluster')."""
     launch(parse_args(argv), Script(main=main, check_flags=check_flags, resume_hint=resume_hint,
                                     memory_advice=MEMORY_ADVICE))
 

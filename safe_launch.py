@@ -666,6 +666,42 @@ def aligned(header, rows):
             for row in (header, *rows)]
 
 
+# ---------------------------------------------- --plan (fsdp2_transformer.py, t5_fsdp_finetune.py)
+PLAN_RANKS = (1, 2, 4, 8, 16, 32, 64)  # the world sizes a plan compares
+
+
+def add_plan_flags(parser, details):
+    """--plan and --plan-device-memory; details: what the script's planner reads and leaves out."""
+    add = parser.add_argument_group("plan: will it fit? (no training)").add_argument
+    add("--plan", action="store_true", help="print each rank's predicted memory for these flags "
+        "(training state, gathered FSDP units, activations, logits) at --world-size and for "
+        "1-64 ranks, whether it fits --plan-device-memory, and the cheapest flags that would "
+        f"make it fit; then exit without training. {details}")
+    add("--plan-device-memory", type=positive(float), metavar="GiB", help="one device's memory "
+        "for --plan (default: the visible GPU's, else 80)")
+
+
+def plan_sizes(args):
+    """(world size, processes per node, one device's GiB) that --plan plans for: those of the
+    launch these flags make (under torchrun, its own), and the visible GPU's memory."""
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size or (
+        torch.cuda.device_count() if use_cuda else 0) or 2))
+    device_gib = args.plan_device_memory or (
+        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
+    return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device_gib
+
+
+def print_plan(text, plan, metrics_json, script):
+    """Rank 0 prints the plan's text and writes the plan to metrics_json; then exit 0."""
+    rank0_print(text)
+    if metrics_json and int(os.environ.get("RANK", "0")) == 0:
+        with open(f"{metrics_json}.tmp", "w") as f:
+            json.dump({"script": script, "plan": plan}, f, indent=2)
+        os.replace(f"{metrics_json}.tmp", metrics_json)
+    sys.exit(0)
+
+
 # ---------------------------------------------------- MNIST's files (fsdp1_mnist.py, ddp_mnist.py)
 MNIST_FILES = [f"{split}-{kind}-ubyte" for split in ("train", "t10k")
                for kind in ("images-idx3", "labels-idx1")]

@@ -611,7 +611,7 @@ def parse_args(argv=None):
         "checkpoints already in --save-dir")
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (safe_launch)
     add("--track-memory", action=on_off, default=True, help="print peak memory every epoch")
-    add_plan_flags(parser)  # --plan: will it fit? (the planner, below the safeguards)
+    add_plan_flags(parser, PLAN_HELP)  # --plan: will it fit? (the planner, below the safeguards)
     return exit_if_plan(parser.parse_args(argv))  # --plan prints the memory plan and exits
 
 
@@ -633,10 +633,12 @@ from torch.distributed.fsdp import _init_utils as fsdp_init_utils
 from transformers.utils import logging as hf_logging
 
 from safe_launch import (
+    PLAN_RANKS,
     PROGRESS,
     RankZeroArgumentParser,
     Report,
     Script,
+    add_plan_flags,
     add_run_flags,
     agree_on_error,
     aligned,
@@ -649,7 +651,9 @@ from safe_launch import (
     lock_folder,
     newest_complete,
     offload_to_cpu,
+    plan_sizes,
     positive,
+    print_plan,
     saving,
     state_bytes,
     stop_if_diverged,
@@ -829,8 +833,8 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
             saved = json.load(f)
         epoch = saved.get("epoch")
     except (OSError, ValueError, AttributeError) as e:
-        return (f"--resume {checkpoint}: cannot load it ({one_line(e)}); it is corrupted, or was "
-                "saved for another model")
+        return (f"--resume {checkpoint}: cannot load it ({reason_line(e)}); it is corrupted, or "
+                "was saved for another model")
     folder = folder_number(checkpoint, "checkpoint-epoch-")
     if not (isinstance(epoch, int) and epoch >= 1) or folder not in (None, epoch):
         return (f"--resume {checkpoint}: cannot load it (its {TRAINER_STATE} says epoch "
@@ -884,8 +888,8 @@ def hub_problem(name):
         huggingface_hub.get_session().head(endpoint, timeout=10)
     except Exception as e:
         if not cached:
-            return (f"{where}, and {endpoint} cannot be reached ({one_line(e)}); pass a directory "
-                    "written by save_pretrained, or run where the hub is reachable")
+            return (f"{where}, and {endpoint} cannot be reached ({reason_line(e)}); pass a "
+                    "directory written by save_pretrained, or run where the hub is reachable")
         rank0_print(f"{endpoint} cannot be reached: --model-name {name} loads from the cache after "
                     "the hub client's retries (HF_HUB_OFFLINE=1 skips them)")
     return None
@@ -948,7 +952,7 @@ def errors_in_one_line(what, advice, every_rank=False):
     try:
         yield
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
-        error = f"{what} ({one_line(e).split('. ')[0][:300]}); {advice}"
+        error = f"{what} ({reason_line(e).split('. ')[0][:300]}); {advice}"
         if not every_rank:
             raise ValueError(error) from None
     if every_rank:
@@ -990,7 +994,7 @@ def base_fingerprint(model):
     return total if found else None
 
 
-def one_line(error):
+def reason_line(error):
     """The last line of an exception's message, where the reason is, without a final period."""
     lines = str(error).strip().splitlines()
     return " ".join(lines[-1].split()).rstrip(".") if lines else type(error).__name__
@@ -1303,9 +1307,10 @@ def remove_unfinished_exports(save_dir):
 # built on the meta device: no weights read), and exits. Not part of the lesson; tests/test_t5.py
 # holds it against measured runs (the training state of every strategy, exactly).
 # ==================================================================================================
-PLAN_RANKS = (1, 2, 4, 8, 16, 32, 64)
 NOT_COUNTED = ("not counted: the CUDA context (about 0.5 GiB per GPU), allocator fragmentation, "
                "NCCL buffers, the DataLoader workers; activations are an estimate")
+PLAN_HELP = (f"Reads only --model-name's config.json ({NOT_COUNTED}). The training state is exact "
+             "(checked against runs of every strategy)")  # --plan's help, after what it does
 # Elements autograd saves for backward in T5 (eager attention, dropout on), fitted by least
 # squares to saved_tensors_hooks counts of 23 small T5 configurations in fp32 (within 0.2% of
 # each): per encoder block, per decoder block, and once, over these products of sizes.
@@ -1316,27 +1321,11 @@ T5_SAVED = {"encoder": {"tokens_dim": 16.88, "tokens_ff": 1.38, "scores": 3.0,
             "once": {"encoder_tokens_dim": 5.75, "decoder_tokens_dim": 3.87}}
 
 
-def add_plan_flags(parser):
-    add = parser.add_argument_group("plan: will it fit? (no training)").add_argument
-    add("--plan", action="store_true", help="print each rank's predicted memory for these flags "
-        "(training state, gathered FSDP units, activations, logits) at --world-size and for "
-        "1-64 ranks, whether it fits --plan-device-memory, and the cheapest flags that would "
-        "make it fit; then exit without training. Reads only --model-name's config.json "
-        f"({NOT_COUNTED}). The training state is exact (checked against runs of every strategy)")
-    add("--plan-device-memory", type=positive(float), metavar="GiB", help="one device's memory "
-        "for --plan (default: the visible GPU's, else 80)")
-
-
 def exit_if_plan(args):
     """args, unless --plan: then print the plan (rank 0), write it to --metrics-json, exit 0."""
     if not args.plan:
         return args
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size or (
-        torch.cuda.device_count() if use_cuda else 0) or 2))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    device_gib = args.plan_device_memory or (
-        torch.cuda.get_device_properties(0).total_memory / 2**30 if use_cuda else 80)
+    world_size, local_world_size, device_gib = plan_sizes(args)
     name = os.path.expanduser(args.model_name)
     check_fsdp2_flags(args)
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
@@ -1345,7 +1334,7 @@ def exit_if_plan(args):
     try:
         config = AutoConfig.from_pretrained(name)
     except Exception as e:
-        fail(f"--plan: cannot read the config of --model-name {name} ({one_line(e)}); pass a "
+        fail(f"--plan: cannot read the config of --model-name {name} ({reason_line(e)}); pass a "
              "save_pretrained directory, or a hub id on a machine with network")
     quiet_known_warnings()
     with torch.device("meta"):  # shapes only: no memory, no weights
@@ -1355,7 +1344,7 @@ def exit_if_plan(args):
                              dropout=args.lora_dropout, targets=args.lora_targets,
                              base_dtype=BASE_DTYPES[args.base_dtype])
     precision = args.mixed_precision if args.mixed_precision != "auto" else (
-        "bf16" if use_cuda else "fp32")
+        "bf16" if torch.cuda.is_available() and not args.cpu else "fp32")
     options = {"strategy": args.sharding_strategy, "batch_size": args.batch_size,
                "input_length": args.input_length, "output_length": args.output_length,
                "compute_bytes": 2 if "bf16" in (precision, args.base_dtype) or (
@@ -1364,12 +1353,8 @@ def exit_if_plan(args):
                "fsdp_version": args.fsdp_version}
     plan = memory_plan(model, world_size, local_world_size, **options)
     plan["fits"] = plan["peak_bytes"] <= device_gib * 2**30
-    rank0_print(plan_text(model, plan, world_size, local_world_size, device_gib, options))
-    if args.metrics_json and int(os.environ.get("RANK", "0")) == 0:
-        with open(f"{args.metrics_json}.tmp", "w") as f:
-            json.dump({"script": os.path.basename(__file__), "plan": plan}, f, indent=2)
-        os.replace(f"{args.metrics_json}.tmp", args.metrics_json)
-    sys.exit(0)
+    print_plan(plan_text(model, plan, world_size, local_world_size, device_gib, options),
+               plan, args.metrics_json, script=os.path.basename(__file__))
 
 
 def memory_plan(model, world_size, local_world_size, strategy, batch_size, input_length,
@@ -1496,7 +1481,8 @@ def plan_text(model, plan, world_size, local_world_size, device_gib, options):
 # scripts share, holds the launching, the process group and the one-line errors).
 # ==================================================================================================
 def run(argv=None):
-    """Parse the flags and run main on every rank (python, torchrun, srun, Ray Train)."""
+    """Parse the flags and run main on every rank, however the job was started; under torchrun
+    --max-restarts with --resume auto, each restart resumes from the newest checkpoint."""
     launch(parse_args(argv), Script(main=main, check_flags=check_flags, resume_hint=resume_hint,
                                     memory_advice=MEMORY_ADVICE))
 

@@ -4,14 +4,16 @@ are cut out of the lesson with the lesson's imports and the one helper a unit ma
 (rank0_print), and nothing below the Safeguards fence; a 2-rank gloo job under torchrun then does
 a small real thing with them: a step whose loss is finite, a save then a load that round-trips
 bit-identically, an export that from_pretrained opens. A unit that calls a safeguard fails here
-with a NameError (the last test shows it)."""
+with a NameError (the last test shows it). And a whole script copied with safe_launch.py, what the
+README says to copy, runs in an empty folder, launched by python and by torchrun."""
 import ast
 import shutil
 import sys
 import textwrap
 
 import pytest
-from conftest import REPO, torchrun_command
+import torch
+from conftest import MNIST_TINY, REPO, torchrun_command
 
 FENCE = "# " + "=" * 98 + "\n"
 
@@ -21,7 +23,6 @@ def lesson_copy(script, units, text=None):
     with the lesson's definitions they use (what a reader copies along), in the script's order."""
     text = text or (REPO / script).read_text()
     lesson = text[:text.index(FENCE + "# Safeguards")]
-    plumbing = text[text.index(FENCE + "# Plumbing"):]
     lines = lesson.splitlines(keepends=True)
     imports, definitions = [], {}
     for node in ast.parse(lesson).body:
@@ -42,17 +43,8 @@ def lesson_copy(script, units, text=None):
             wanted.add(name)
             todo += [n.id for n in ast.walk(definitions[name][0])
                      if isinstance(n, ast.Name) and n.id in definitions]
-    rank0_print = source_of(plumbing, "rank0_print")
     kept = dict.fromkeys(source for name, (_, source) in definitions.items() if name in wanted)
-    return "".join(imports) + "\n\n" + rank0_print + "\n\n" + "\n\n".join(kept) + "\n"
-
-
-def source_of(text, name):
-    """The source of the top-level function `name` in text."""
-    lines = text.splitlines(keepends=True)
-    node = next(node for node in ast.parse(text).body
-                if isinstance(node, ast.FunctionDef) and node.name == name)
-    return "".join(lines[node.lineno - 1:node.end_lineno])
+    return "".join(imports) + "\n\n" + "\n\n".join(kept) + "\n"
 
 
 def copy_command(folder, script, units, driver, *args, text=None):
@@ -298,6 +290,36 @@ def test_a_unit_that_calls_a_safeguard_does_not_run_copied():
     assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output
 
 
+# A whole script copied with safe_launch.py into an empty folder: what the README tells a user to
+# copy. Real new processes (the queue's), launched both ways.
+FSDP2_ARGS = ["--cpu", "--steps", "6", "--log-every", "2", "--checkpoint-dir", "ckpt",
+              "--checkpoint-format", "sharded"]
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_fsdp2_copied_with_the_module_runs_both_ways(launcher):
+    """fsdp2_transformer.py and safe_launch.py alone in a folder: `python fsdp2_transformer.py`
+    (two processes it spawns) and torchrun both train, checkpoint, and give the same losses."""
+    run = copy_run(f"fsdp2 and safe_launch, {launcher}")
+    assert run.returncode == 0, run.output
+    assert sorted(path.name for path in run.cwd.iterdir() if path.suffix == ".py") == [
+        "fsdp2_transformer.py", "safe_launch.py"]
+    assert run.metrics["script"] == "fsdp2_transformer.py" and run.metrics["world_size"] == 2
+    assert (run.cwd / "ckpt" / "step_000006" / "COMPLETE").exists()
+    other = copy_run(f"fsdp2 and safe_launch, {({'python', 'torchrun'} - {launcher}).pop()}")
+    assert run.metrics["losses"] == other.metrics["losses"]
+
+
+def test_ddp_mnist_copied_with_the_module_runs():
+    """ddp_mnist.py and safe_launch.py alone in a folder: `python ddp_mnist.py` trains, tests
+    and saves mnist_cnn.pt, which loads into a plain Net."""
+    run = copy_run("ddp_mnist and safe_launch")
+    assert run.returncode == 0, run.output
+    assert run.metrics["script"] == "ddp_mnist.py" and run.metrics["accuracy"] > 0.3
+    state = torch.load(run.cwd / "mnist_cnn.pt", weights_only=True)
+    assert state["fc2.weight"].shape == (10, 128)
+
+
 # ---------------------------------------------------------------------------------- the runs
 def copy_commands(folder, fixture):
     """{name: a function that writes a copy into folder and gives the command that runs it}, for
@@ -328,7 +350,20 @@ def copy_commands(folder, fixture):
         assert step in text
         return fsdp2(text=text.replace(step, step + "    describe_fsdp(model)\n", 1))
 
-    return {**{f"t5 {version}, {model}": lambda v=version, m=model: t5(v, m)
+    def whole(script, *args, launcher="python"):
+        for name in (script, "safe_launch.py"):
+            shutil.copy(REPO / name, folder)
+        start = [sys.executable] if launcher == "python" else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2]
+        return [*start, folder / script, *args, "--metrics-json", folder / "metrics.json"]
+
+    return {"fsdp2 and safe_launch, python": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS),
+            "fsdp2 and safe_launch, torchrun": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS,
+                                                             launcher="torchrun"),
+            "ddp_mnist and safe_launch": lambda: whole(
+                "ddp_mnist.py", "--cpu", "--epochs", 1, "--data-dir", fixture("mnist_dir"),
+                "--save-model", *MNIST_TINY),
+            **{f"t5 {version}, {model}": lambda v=version, m=model: t5(v, m)
                for version, model in T5_MODELS},
             "fsdp2": fsdp2, "fsdp2, train_step calling a safeguard": safeguard_called,
             **{script: lambda s=script: mnist(s) for script in MNIST_OPTIONS}}
@@ -340,7 +375,10 @@ RUNS = {}  # name: the future of its Run (start_early)
 def case_of(item):
     """The name of the copy the test item reads."""
     params = getattr(item, "callspec", None) and item.callspec.params
+    if item.originalname == "test_fsdp2_copied_with_the_module_runs_both_ways":
+        return [f"fsdp2 and safe_launch, {launcher}" for launcher in ("python", "torchrun")]
     return {"test_fsdp2_units_run_copied_alone": "fsdp2",
+            "test_ddp_mnist_copied_with_the_module_runs": "ddp_mnist and safe_launch",
             "test_a_unit_that_calls_a_safeguard_does_not_run_copied":
                 "fsdp2, train_step calling a safeguard",
             "test_mnist_units_run_copied_alone": params and params.get("script"),
@@ -355,8 +393,11 @@ def start_early(request):
     this file's tests, which run last, wait for theirs. The T5 copies, the longest, go first."""
     queue = request.getfixturevalue("idle_queue")
     factory, fixture = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue
-    selected = {case_of(item) for item in request.session.items
-                if getattr(item, "module", None) is sys.modules[__name__]}
+    selected = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is sys.modules[__name__]:
+            case = case_of(item)
+            selected |= set(case) if isinstance(case, list) else {case}
     for name in copy_commands(None, fixture):
         if name in selected:
             folder = factory.mktemp("copy")

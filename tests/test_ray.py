@@ -1,5 +1,5 @@
 """fsdp2_transformer.py in Ray Train's workers: TorchTrainer makes the process group and calls the
-script's launch(parse_args(argv)) in each worker, which joins no other group and trains as under
+script's run(argv) in each worker, which joins no other group and trains as under
 torchrun. Skipped without Ray (.ci/run installs ray[train])."""
 import json
 import os
@@ -24,7 +24,7 @@ import fsdp2_transformer
 
 
 def train(config):
-    fsdp2_transformer.launch(fsdp2_transformer.parse_args(config["argv"]))
+    fsdp2_transformer.run(config["argv"])
 
 
 ray.init(num_cpus=2, include_dashboard=False)
