@@ -16,6 +16,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only lora-gpu           # the same rows on one GPU, bf16 compute
     python benchmarks/run.py --only hf-load --out hf_load.md  # RssAnon while loading, 10 min
     python benchmarks/run.py --only hf-export          # RssAnon while FSDP2 exports, 2 and 4 ranks
+    python benchmarks/run.py --only cpu-memory         # freed memory returned, or kept by glibc
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -55,6 +56,10 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   (--full-state-dict, today's way). Each rank's RssAnon from the line before
   the export until its `Saved` line, above what the rank held as the export began (glibc made to
   return freed memory: hf_memory.RETURN_FREED).
+- Memory returned on CPU (cpu-memory, world size 2, CPU, only when asked for: 25 minutes on 2
+  cores): each script as it runs (safe_launch fixes glibc's mmap threshold at 1 MiB on CPU) and a
+  copy with that one call removed (glibc's default), taking turns: each rank's peak RssAnon,
+  and for T5 its rise above the level after loading, at t5-base's shape with LoRA too.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -84,7 +89,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "lora-gpu",
-              "hf-load", "hf-export")
+              "hf-load", "hf-export", "cpu-memory")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -184,6 +189,12 @@ HF_EXPORT_RUN = [flag for flag in HF_LOAD_RUN if flag not in ("--no-save-model",
 HF_EXPORT_WAYS = {"shard by shard (files of a quarter of the model)": [],
                   "gathered on rank 0 (--full-state-dict)": ["--full-state-dict"]}
 HF_EXPORT_FROM, HF_EXPORT_UNTIL = "New Val Loss Record", "Saved "
+# cpu-memory: each script's run as it is ("returned") and from a copy of the scripts whose
+# safe_launch.py does not call return_freed_memory ("kept": glibc's default); RssAnon sampled every
+# 10 ms, for T5 also its rise above the level after loading (the line CPU_MEMORY_LOADED).
+CPU_MEMORY_CALL = "        return_freed_memory()\n"
+CPU_MEMORY_WAYS = ("kept (glibc's default)", "returned (the scripts)")
+CPU_MEMORY_LOADED = "Peak memory per rank after loading the model"
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
 
@@ -300,10 +311,25 @@ def adamw_copy(folder, option):
     if len(lines) != 1:
         return None
     folder.mkdir()
-    shutil.copy(REPO / "summarization_dataset.py", folder)
+    for module in ("summarization_dataset.py", "safe_launch.py"):
+        shutil.copy(REPO / module, folder)
     changed = lines[0][:-1] + f", {option}=True)"
     (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
     return folder / "t5_fsdp_finetune.py"
+
+
+def kept_memory_copy(folder):
+    """Copies of the four scripts and their modules in folder, whose safe_launch.py leaves freed
+    memory to glibc's default (no return_freed_memory call); None when the call is not there."""
+    text = (REPO / "safe_launch.py").read_text()
+    if text.count(CPU_MEMORY_CALL) != 1:
+        return None
+    folder.mkdir()
+    for name in ("ddp_mnist.py", "fsdp1_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py",
+                 "summarization_dataset.py"):
+        shutil.copy(REPO / name, folder)
+    (folder / "safe_launch.py").write_text(text.replace(CPU_MEMORY_CALL, "        pass\n"))
+    return folder
 
 
 def figures_of(config, metrics, stdout):
@@ -341,6 +367,8 @@ def figures_of(config, metrics, stdout):
         figures.update(tokens_per_s=metrics["tokens_per_s"], mfu=metrics["mfu"],
                        tflops=metrics["tflops_per_gpu"], first_pause_s=stalls[0],
                        later_pause_s=stalls[1] if len(stalls) > 1 else None)  # step 200's
+    elif config["benchmark"] == "cpu-memory":  # RssAnon: from the sampling, added by the loop
+        figures.update(train_loss=metrics["train_loss"], wall_s=metrics["wall_s"])
     elif config["benchmark"] in ("lora", "lora-gpu"):  # the steady samples/s
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = config["samples"] / figures["epoch_s"]
@@ -463,14 +491,14 @@ mnist_dir, wikihow_dir, t5_model = (os.path.abspath(p) if p and os.path.exists(p
                                     for p in (args.mnist_dir, args.wikihow_dir, args.t5_model))
 mnist_source = f"Data: MNIST from {mnist_dir}" if mnist_dir else None
 t5_source = f"Model {t5_model}, WikiHow from {wikihow_dir}" if t5_model and wikihow_dir else None
-if "mnist" in args.only and not mnist_dir:
+if ("mnist" in args.only or "cpu-memory" in args.only) and not mnist_dir:
     mnist_dir = tmp / "mnist"
     log(f"Writing the MNIST digits fixture (tests/digits_mnist.py) to {mnist_dir}")
     write_fixture("MNIST digits", [REPO / "tests" / "digits_mnist.py", mnist_dir])
     mnist_source = ("Data: the offline digits fixture of the tests, not MNIST "
                     "(tests/digits_mnist.py: scikit-learn's digits as 28x28 MNIST files, "
                     f"{mnist_train_samples(mnist_dir)} training images)")
-if "t5" in args.only and not (wikihow_dir and t5_model):
+if ("t5" in args.only or "cpu-memory" in args.only) and not (wikihow_dir and t5_model):
     fixture_data, fixture_model = tmp / "wikihow", tmp / "tiny-t5"
     log(f"Writing the WikiHow and tiny T5 fixtures (tests/tiny_wikihow.py) to {tmp}")
     write_fixture("WikiHow and tiny T5",
@@ -486,7 +514,7 @@ if "t5" in args.only and not (wikihow_dir and t5_model):
     # The datasets library caches each CSV it reads; keep the fixture's cache out of the user's.
     env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
 
-if "lora" in args.only or "lora-gpu" in args.only:
+if {"lora", "lora-gpu", "cpu-memory"} & set(args.only):
     lora_model = args.lora_model  # a local folder made absolute: each run has its own folder
     if lora_model and os.path.exists(lora_model):
         lora_model = os.path.abspath(lora_model)
@@ -700,6 +728,33 @@ if "hf-export" in args.only:  # CPU; the model stored in the first dtype, as saf
                                      "--data-dir", str(hf_data), *HF_EXPORT_RUN, *flags]})
 
 
+if "cpu-memory" in args.only:  # world size 2 on CPU; the rows take turns
+    kept = kept_memory_copy(tmp / "kept")
+    if kept is None:
+        log(f"error: safe_launch.py has no single line {CPU_MEMORY_CALL.strip()!r} any more: "
+            "update CPU_MEMORY_CALL in benchmarks/run.py")
+        sys.exit(1)
+    t5_run = ["--data-dir", str(wikihow_dir), "--no-save-model", "--cpu"]
+    lora_run = ["--model-name", str(lora_model), "--data-dir", str(lora_data), *LORA_SIZES,
+                *LORA_RUN, *LORA]
+    memory_rows = {
+        "MNIST, DDP": ("ddp_mnist.py", ["--data-dir", str(mnist_dir), "--epochs", "1", "--cpu"]),
+        "MNIST, FSDP1": ("fsdp1_mnist.py", ["--data-dir", str(mnist_dir), "--epochs", "1",
+                                            "--cpu"]),
+        "FSDP2, its defaults": ("fsdp2_transformer.py", ["--cpu"]),
+        "T5, tiny, FSDP1": ("t5_fsdp_finetune.py", ["--model-name", str(t5_model), *t5_run,
+                                                    *T5_SIZES]),
+        "T5, t5-base's shape, LoRA, FSDP1": ("t5_fsdp_finetune.py", lora_run),
+        "T5, t5-base's shape, LoRA, FSDP2": ("t5_fsdp_finetune.py", [*lora_run,
+                                                                     "--fsdp-version", "2"])}
+    for row, (script, flags) in memory_rows.items():
+        for way in CPU_MEMORY_WAYS:
+            configs.append({"benchmark": "cpu-memory", "device": "cpu", "world_size": 2,
+                            "name": f"{row}, {way}", "row": row, "way": way,
+                            "script": str(kept / script) if way == CPU_MEMORY_WAYS[0] else script,
+                            "args": flags})
+
+
 def command_of(config, metrics_path):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
@@ -736,12 +791,12 @@ for config in configs:
 total = sum(config["repeats"] for config in configs)
 # The checkpoint and lora rows take turns (each configuration once, then again); the others run
 # in a row.
-TURNS = ("checkpoint", "lora", "lora-gpu")
+TURNS = ("checkpoint", "lora", "lora-gpu", "cpu-memory")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
              for repeat in range(1, config["repeats"] + 1)]
-if "hf-load" in args.only or "hf-export" in args.only:
+if {"hf-load", "hf-export", "cpu-memory"} & set(args.only):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from hf_memory import RETURN_FREED, rss_anon_peaks
 for config, repeat in schedule:
@@ -761,6 +816,10 @@ for config, repeat in schedule:
         if config["benchmark"] == "hf-load":  # RssAnon of each rank, sampled every 10 ms
             returncode, stdout, stderr, rank_peaks, loaded, _ = rss_anon_peaks(
                 command, workdir, HF_LOAD_UNTIL, env=env, timeout=args.timeout)
+        elif config["benchmark"] == "cpu-memory":  # the whole run; T5's from after loading
+            returncode, stdout, stderr, rank_peaks, _, rank_bases = rss_anon_peaks(
+                command, workdir, "\0", env=env, timeout=args.timeout,
+                start=CPU_MEMORY_LOADED if "t5" in config["script"] else None)
         elif config["benchmark"] == "hf-export":  # from the line before the export
             returncode, stdout, stderr, rank_peaks, saved, rank_bases = rss_anon_peaks(
                 command, workdir, HF_EXPORT_UNTIL, env={**env, **RETURN_FREED},
@@ -806,6 +865,14 @@ for config, repeat in schedule:
                                               writers_cpu_s=run["writers_cpu_s"])
                     if config["benchmark"] == "hf-load":
                         run["figures"].update(hf_load_figures(config, stdout, rank_peaks, loaded))
+                    if config["benchmark"] == "cpu-memory":
+                        if sorted(rank_peaks) != list(range(config["world_size"])):
+                            raise ValueError(f"RssAnon was sampled for ranks {sorted(rank_peaks)}")
+                        run["figures"].update(
+                            rss_anon_mib=max(rank_peaks.values()) / MIB,
+                            above_loaded_mib=max(rank_peaks[rank] - base for rank, base in
+                                                 rank_bases.items()) / MIB
+                            if "t5" in config["script"] else None)
                     if config["benchmark"] == "hf-export":
                         if not saved or sorted(rank_bases) != list(range(config["world_size"])):
                             raise ValueError(f"no {HF_EXPORT_UNTIL!r} line, or ranks unsampled")
@@ -1216,6 +1283,41 @@ if "hf-load" in args.only:
             markdown_table(headers, rows),
             "\n" + ("What it shows: " + "; ".join(summary) + "." if summary else
                     "What it shows: nothing, no configuration was measured against its baseline.")]
+
+if "cpu-memory" in args.only:
+    headers = ["run (world size 2, CPU)", "peak RssAnon / rank, kept (MiB)", "returned (MiB)",
+               "returned / kept", "T5: rise after loading, kept (MiB)", "returned (MiB)",
+               "returned / kept", "same train loss", "wall s, kept", "returned"]
+    rows = []
+    for row in dict.fromkeys(c["row"] for c in configs if c["benchmark"] == "cpu-memory"):
+        kept, returned = (find("cpu-memory", "cpu", row=row, way=way) for way in CPU_MEMORY_WAYS)
+        same = (median(kept, "train_loss") == median(returned, "train_loss")
+                if median(kept, "train_loss") is not None else None)
+        rows.append([row + (" (FAILED)" if kept["failed"] or returned["failed"] else ""),
+                     fmt(median(kept, "rss_anon_mib"), ",.0f"),
+                     fmt(median(returned, "rss_anon_mib"), ",.0f"),
+                     fmt(ratio(median(returned, "rss_anon_mib"), median(kept, "rss_anon_mib")),
+                         ".2f"),
+                     fmt(median(kept, "above_loaded_mib"), ",.0f"),
+                     fmt(median(returned, "above_loaded_mib"), ",.0f"),
+                     fmt(ratio(median(returned, "above_loaded_mib"),
+                               median(kept, "above_loaded_mib")), ".2f"),
+                     "n/a" if same is None else "yes" if same else "no",
+                     fmt(median(kept, "wall_s"), ".1f"), fmt(median(returned, "wall_s"), ".1f")])
+    out += ["\n### Memory returned on CPU: glibc's default against the scripts' 1 MiB mmap "
+            "threshold (CPU, gloo)\n",
+            f"{lora_source}; the other rows: {mnist_source or 'MNIST'}, FSDP2's defaults, "
+            f"{t5_source or 'the tiny T5'} with `{' '.join(T5_SIZES)}`. LoRA rows: "
+            f"`{' '.join([*LORA_SIZES, *LORA_RUN, *LORA])}`. Kept: a copy of the scripts whose "
+            "safe_launch.py does not call return_freed_memory (glibc raises its mmap threshold "
+            "to the largest block freed, up to 32 MiB, and keeps what is freed below it); "
+            "returned: the scripts as they are. Each rank's RssAnon (anonymous memory) is "
+            "sampled every 10 ms: its peak over the whole run, for T5 from the line "
+            f"'{CPU_MEMORY_LOADED}' on, and for T5 the rise of that peak above the first "
+            f"sample after that line (the level after loading); the maximum over ranks; "
+            f"{runs_said}, the two ways taking turns. Wall s: the training's, from the "
+            "metrics file.\n",
+            markdown_table(headers, rows)]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"

@@ -342,10 +342,12 @@ def plan_of(script, cwd, *args):
 
 def script_with_lines(script, folder, after, lines):
     """A copy of the script in folder, with `lines` added after the line `after` (which must be
-    there): how a test puts a bug or a fault inside a real run. Returns the copy's path."""
+    there), beside a copy of the module it imports: how a test puts a bug or a fault inside a real
+    run. Returns the copy's path."""
     code = (REPO / script).read_text()
     assert after in code, f"{script} no longer has the line {after!r}"
     (folder / script).write_text(code.replace(after, after + lines, 1))
+    shutil.copy(REPO / "safe_launch.py", folder)
     return folder / script
 
 
