@@ -13,6 +13,7 @@ memory, time). The DDP part is wrap_model(); main() is the recipe. After the PyT
 
 MNIST downloads into --data-dir (default data); offline, `python tests/digits_mnist.py data`
 writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
+Copy it with safe_launch.py: the launching, checks and one-line errors the four scripts share.
 """
 import os
 

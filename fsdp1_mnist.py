@@ -15,6 +15,7 @@ for new code, PyTorch's FSDP2 guide recommends FSDP2 (fully_shard), as in fsdp2_
 
 MNIST downloads into --data-dir (default data); offline, `python tests/digits_mnist.py data`
 writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
+Copy it with safe_launch.py: the launching, checks and one-line errors the four scripts share.
 """
 import functools
 import os
