@@ -86,10 +86,10 @@ def load_model_and_tokenizer(name, on_meta=False):
 
 
 def add_lora(model, rank, alpha, dropout, targets, base_dtype):
-    """LoRA with PEFT, before sharding: the model's weights frozen, in base_dtype (bf16 halves
+    """LoRA with PEFT, before sharding: the model's weights frozen, in base_dtype ("bf16" halves
     their memory), and beside each Linear named in targets two trainable matrices (the adapters,
     fp32) of rank `rank`, whose product scaled by alpha / rank adds to the Linear's output."""
-    model.to(base_dtype)
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[base_dtype])
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules=targets, task_type="SEQ_2_SEQ_LM"))
 
@@ -139,18 +139,15 @@ def device_mesh(device, hybrid):
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
-def materialize_on(device):
-    """FSDP1's param_init_fn for a model on the meta device: each module's own tensors get memory
+def materialize_on(module, device):
+    """FSDP1's param_init_fn for a model on the meta device: the module's own tensors get memory
     on device for rank 0's values, swapped in place (torch.__future__'s switch, here only): a
     parameter two modules share (T5's embedding and lm_head) stays one, where by default
     to_empty makes a tensor per module."""
-    def param_init_fn(module):
-        swap = torch.__future__.get_swap_module_params_on_conversion()
-        torch.__future__.set_swap_module_params_on_conversion(True)
-        module.to_empty(device=device, recurse=False)
-        torch.__future__.set_swap_module_params_on_conversion(swap)
-
-    return param_init_fn
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    module.to_empty(device=device, recurse=False)
+    torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
 def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward_prefetch,
@@ -177,7 +174,7 @@ def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward
         # --cpu-ram-efficient-loading: only rank 0 has the weights; the others, on the meta device,
         # get memory (param_init_fn) and then rank 0's values (sync_module_states).
         sync_module_states=sync_module_states,
-        param_init_fn=materialize_on(device),
+        param_init_fn=functools.partial(materialize_on, device=device),
     )
     if activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
@@ -395,38 +392,69 @@ def export_shards(model, tokenizer, path):
     rank0_print(f"Saved {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
-def save_sharded_checkpoint(model, optimizer, trainer_state, path):
-    """Every rank writes its shards of what trains and of the optimizer state (trained_state) with
-    DCP (dcp.save is a collective) into path.tmp; rank 0 adds the trainer state (epoch,
-    scheduler, losses), which marks it complete, last, and renames it to path."""
-    state = trained_state(model, optimizer)
-    if dist.get_rank() == 0:
-        shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
-    dist.barrier()
-    dcp.save(state, checkpoint_id=f"{path}.tmp")
-    if dist.get_rank() == 0:
-        with open(os.path.join(f"{path}.tmp", TRAINER_STATE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(f"{path}.tmp", path)
-    dist.barrier()
-    rank0_print(f"Saved sharded checkpoint {path}")
+class Checkpointer:
+    """After each epoch: the losses, the best model so far (the lowest validation loss, or the last
+    epoch's) exported into folder (None: no saves), and with sharded a resumable checkpoint there
+    (checkpoint-epoch-N), which holds the trainer state: epoch, losses, best model."""
 
+    def __init__(self, folder, model, optimizer, scheduler, scaler, tokenizer, full_state_dict=True,
+                 sharded=False):
+        self.folder, self.tokenizer = folder and os.path.abspath(folder), tokenizer
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.scaler, self.full_state_dict, self.sharded = scaler, full_state_dict, sharded
+        self.run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
+        self.state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None,
+                      "train_losses": [], "val_losses": []}
 
-def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
-    """Load a sharded checkpoint into model, optimizer, scheduler and grad scaler, at any world
-    size (each rank reads what its shards hold of the saved ones); return its trainer state."""
-    with open(os.path.join(path, TRAINER_STATE)) as f:
-        state = json.load(f)
-    loaded = trained_state(model, optimizer)  # to fill
-    dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
-    set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    rank0_print(f"Resumed from {path} (epoch {state['epoch']} done)")
-    return state
+    def epoch_done(self, epoch, train_loss, val_loss, last):
+        state, best = self.state, self.state["best_val_loss"]
+        state["train_losses"].append(train_loss)
+        state["val_losses"].append(val_loss)
+        improved = last if val_loss is None else best is None or val_loss < best
+        if improved and val_loss is not None:
+            state["best_val_loss"] = val_loss
+            rank0_print(f"-->>>> New Val Loss Record: {val_loss:.4f}")
+        if improved and self.folder:
+            name = f"{self.run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
+            state["best_checkpoint"] = os.path.join(self.folder, name)
+            self.export(state["best_checkpoint"])
+        if self.sharded:
+            state.update(epoch=epoch, scheduler=self.scheduler.state_dict(),
+                         scaler=self.scaler.state_dict() if self.scaler else None)
+            self.save(os.path.join(self.folder, f"checkpoint-epoch-{epoch}"))
+
+    def export(self, path, cpu_offload=True):  # gathered on rank 0, or from every rank's shards
+        if not self.full_state_dict:
+            return export_shards(self.model, self.tokenizer, path)
+        export_model(self.model, self.tokenizer, path, cpu_offload=cpu_offload)
+
+    def save(self, path):
+        """Every rank writes its shards (dcp.save); rank 0 marks them complete, then renames."""
+        state = trained_state(self.model, self.optimizer)
+        if dist.get_rank() == 0:
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
+        dist.barrier()
+        dcp.save(state, checkpoint_id=f"{path}.tmp")
+        if dist.get_rank() == 0:
+            with open(os.path.join(f"{path}.tmp", TRAINER_STATE), "w") as f:
+                json.dump(self.state, f, indent=2)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(f"{path}.tmp", path)
+        dist.barrier()
+        rank0_print(f"Saved sharded checkpoint {path}")
+
+    def load(self, path):
+        """Resume from the checkpoint-epoch-N at path, at any world size (and FSDP version)."""
+        with open(os.path.join(path, TRAINER_STATE)) as f:
+            self.state = json.load(f)
+        loaded = trained_state(self.model, self.optimizer)  # to fill
+        dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
+        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
+        self.scheduler.load_state_dict(self.state["scheduler"])
+        if self.scaler and self.state.get("scaler"):
+            self.scaler.load_state_dict(self.state["scaler"])
+        rank0_print(f"Resumed from {path} (epoch {self.state['epoch']} done)")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -434,100 +462,66 @@ def main(args, device):
     torch.manual_seed(args.seed)
     quiet_known_warnings()  # library warnings and bars that say nothing a user can act on
 
-    # 1. Load the model, tokenizer and data: each node's rank 0 first (downloads, caches).
-    # --cpu-ram-efficient-loading: only rank 0 loads weights, or (FSDP2) none: see shard_model.
-    on_meta = bool(args.shard_weights) or (args.cpu_ram_efficient_loading and dist.get_rank() > 0)
-    model, tokenizer = local_rank_zero_first(lambda: checked_model(args.model_name, on_meta))
-    if args.lora_rank:  # LoRA: train small adapters beside the frozen model's weights
-        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                         targets=args.lora_targets, base_dtype=BASE_DTYPES[args.base_dtype])
+    # 1. The model (LoRA: with adapters), tokenizer and data; each node's rank 0 loads first
+    #    (downloads, caches). --cpu-ram-efficient-loading: only rank 0 loads the weights, or under
+    #    FSDP2 none: each rank reads its shards from the safetensors files (see shard_model).
+    name, from_rank0 = os.path.expanduser(args.model_name), args.cpu_ram_efficient_loading
+    weights = safetensors_to_read(name) if from_rank0 and args.fsdp_version == 2 else None
+    on_meta = bool(weights) or (from_rank0 and dist.get_rank() > 0)
+    model, tokenizer = local_rank_zero_first(lambda: checked_model(name, on_meta))
+    lora = check_lora_flags(args)  # LoRA: train small adapters beside the frozen model's weights
+    model = add_lora(model, **lora) if lora else model  # (None: full fine-tuning)
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
         args.num_val_samples if args.run_validation else None))
-    rank0_print(f"Size of train dataset: {len(train_set)}, validation dataset: "
-                f"{len(val_set) if val_set else 'none (--no-run-validation)'}")
     train_loader = rank_loader(train_set, args.batch_size, device, shuffle=True, seed=args.seed)
     val_loader = rank_loader(val_set, args.test_batch_size, device) if val_set else None
 
     # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
-    strategy = apply_workarounds(model, device, fsdp_version=args.fsdp_version,
-                                 sharding_strategy=args.sharding_strategy,
-                                 from_rank0=args.cpu_ram_efficient_loading,
-                                 weights=args.shard_weights)  # see Safeguards
+    strategy, precision = check_sharding_flags(args, device)  # what this world and device allow
     mesh = device_mesh(device, hybrid=strategy == "HYBRID_SHARD")
-    precision = mixed_precision_choice(args.mixed_precision, device)
-    if args.fsdp_version == 1:
-        model = wrap_model(model, mesh, device, sharding_strategy=strategy,
-                           mixed_precision=POLICIES[precision],
-                           backward_prefetch=args.backward_prefetch,
-                           limit_all_gathers=args.limit_all_gathers,
-                           activation_checkpointing=args.activation_checkpointing,
-                           sync_module_states=args.cpu_ram_efficient_loading)
-    else:
-        model = shard_model(model, mesh, device, sharding_strategy=strategy,
-                            mp_policy=POLICIES_FSDP2[precision],
-                            activation_checkpointing=args.activation_checkpointing,
-                            broadcast_from_rank0=args.cpu_ram_efficient_loading,
-                            weights=args.shard_weights)
-    loaded = report_built(model, Report(args, device))  # what FSDP built, and its memory
+    with sharding_workarounds(model, device, weights=weights, from_rank0=from_rank0):
+        if args.fsdp_version == 1:
+            model = wrap_model(model, mesh, device, sharding_strategy=strategy,
+                               mixed_precision=POLICIES[precision],
+                               backward_prefetch=args.backward_prefetch,
+                               limit_all_gathers=args.limit_all_gathers is not False,  # default on
+                               activation_checkpointing=args.activation_checkpointing,
+                               sync_module_states=from_rank0)
+        else:
+            model = shard_model(model, mesh, device, sharding_strategy=strategy,
+                                mp_policy=POLICIES_FSDP2[precision],
+                                activation_checkpointing=args.activation_checkpointing,
+                                broadcast_from_rank0=from_rank0, weights=weights)
+    log = EpochLog(args, device)  # the run's lines and figures
+    log.begin(model, train_loader, val_loader)  # the data, what FSDP built, the memory so far
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
     optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
-    stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
 
-    # 4. Resume from the sharded checkpoint that --resume names (auto: the newest in --save-dir).
-    checkpoint = find_resumable(args.resume, args.save_dir)  # checked by check_flags
-    state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None, "train_losses": [],
-             "val_losses": [], "lora": args.lora, "base": base_fingerprint(model)}
-    if checkpoint:  # any rank's failure, or another base under LoRA: one line on every rank
-        with checkpoint_errors(checkpoint, base=state["base"]):
-            state = load_sharded_checkpoint(checkpoint, model, optimizer, scheduler, scaler)
+    # 4. The epochs' saves, and the resume: the lesson's Checkpointer, with the safeguards' checks.
+    checkpointer = CheckedCheckpointer(
+        args.save_dir if args.save_model else None, model, optimizer, scheduler, scaler, tokenizer,
+        sharded=args.checkpoint_type == "sharded", lora=lora,
+        full_state_dict=args.full_state_dict or args.fsdp_version == 1)  # FSDP2: from its shards
+    checkpointer.load(args.resume)
     check_before_training(args)  # --save-dir writable and locked; --overwrite
 
-    # 5. Per epoch: train, validate, step the learning rate, save the best model and a checkpoint.
-    run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
-    log = EpochLog(Report(args, device), loaded, track_memory=args.track_memory)  # times from now
-    for epoch in range(state["epoch"] + 1, args.epochs + 1):
+    # 5. Per epoch: train, validate, step the learning rate; save the best model and a checkpoint.
+    for epoch in log.epochs(range(checkpointer.state["epoch"] + 1, args.epochs + 1)):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
-        state["train_losses"].append(train(model, train_loader, optimizer, scaler, epoch, device,
-                                           bar=progress_bar))
+        train_loss = train(model, train_loader, optimizer, scaler, epoch, device, bar=log.bar)
         log.trained()
-        val_loss = None
-        if val_loader:
-            val_loss = validation(model, val_loader, device, bar=progress_bar)
-            stop_if_diverged("the validation loss", [torch.tensor(val_loss)], DIVERGED)
-        state["val_losses"].append(val_loss)
+        val_loss = validation(model, val_loader, device, bar=log.bar) if val_loader else None
         scheduler.step()
         log.epoch_done(epoch, model, optimizer)  # its time, and memory
-        # Without validation there is nothing to compare: the last epoch's model is saved.
-        improved = epoch == args.epochs if val_loss is None else (
-            state["best_val_loss"] is None or val_loss < state["best_val_loss"])
-        if improved and val_loss is not None:
-            state["best_val_loss"] = val_loss
-            rank0_print(f"-->>>> New Val Loss Record: {val_loss:.4f}")
-        if improved and args.save_model:
-            name = f"{run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
-            state["best_checkpoint"] = os.path.abspath(os.path.join(args.save_dir, name))
-            with checked_save(model, state["best_checkpoint"], 2 * full_model_bytes(model)):
-                if args.full_state_dict:  # gathered on rank 0: the .pt, and the HF files from it
-                    export_model(model, tokenizer, state["best_checkpoint"],
-                                 cpu_offload=offload_to_cpu(model))
-                else:  # FSDP2: the HF files from every rank's shards
-                    export_shards(model, tokenizer, state["best_checkpoint"])
-        if args.save_model and args.checkpoint_type == "sharded":
-            state.update(epoch=epoch, scheduler=scheduler.state_dict(),
-                         scaler=scaler.state_dict() if scaler else None)
-            path = os.path.join(os.path.abspath(args.save_dir), f"checkpoint-epoch-{epoch}")
-            with checked_save(model, path, local_state_bytes(model, optimizer), sharded=True):
-                save_sharded_checkpoint(model, optimizer, state, path)
-        log.saved()  # the saves' time is not the epoch's
+        checkpointer.epoch_done(epoch, train_loss, val_loss, last=epoch == args.epochs)
 
     # 6. Report: throughput, time, memory, and the metrics file.
-    log.done(model, optimizer, state, train_loader=train_loader, val_loader=val_loader,
-             mixed_precision=precision)
+    log.done(model, optimizer, checkpointer, mixed_precision=precision)
 
 
 def parse_args(argv=None):
@@ -564,10 +558,9 @@ def parse_args(argv=None):
     add("--lora-alpha", type=positive(float), default=16, metavar="A", help="scales them: A / R")
     add("--lora-dropout", type=positive(float, zero=True, most=0.99), default=0.05, metavar="P",
         help="dropout on their input")
-    add("--lora-targets", type=lambda text: text.split(","), default=["q", "v"], metavar="NAMES",
-        help="names of the Linear modules that get adapters (T5: q,k,v,o attention, wi,wo MLP) "
-             "(default: q,v)")
-    add("--base-dtype", default="fp32", choices=list(BASE_DTYPES), help="the frozen base's "
+    add("--lora-targets", type=lambda text: text.split(","), default="q,v", metavar="NAMES",
+        help="names of the Linear modules that get adapters (T5: q,k,v,o attention, wi,wo MLP)")
+    add("--base-dtype", default="fp32", choices=["fp32", "bf16"], help="the frozen base's "
         "dtype: bf16 halves its memory (the adapters stay fp32)")
     add = parser.add_argument_group("FSDP").add_argument
     add("--fsdp-version", type=int, default=1, choices=[1, 2], help="1: FSDP1's wrapper (the "
@@ -662,7 +655,6 @@ from safe_launch import (
 )
 from summarization_dataset import DOWNLOAD_HELP, WikiHowError, check_csv
 
-BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --base-dtype's choices
 ELSEWHERE = "pass another --save-dir"  # where else a save can go, when a disk is full
 
 
@@ -722,15 +714,11 @@ def check_flags(args, device, world_size):
     if args.resume == "auto" and args.checkpoint_type != "sharded":
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
-    check_lora_flags(args)
-    if args.limit_all_gathers is None and args.fsdp_version == 1:
-        args.limit_all_gathers = True  # FSDP1's default; FSDP2 refuses the flag, on or off
+    lora = check_lora_flags(args)
     if args.full_state_dict is False and args.fsdp_version == 1:
         fail("--no-full-state-dict: FSDP1 writes its HF files from the full state dict; FSDP2 "
              "(--fsdp-version 2) writes them from every rank's shards")
-    if args.full_state_dict is None:
-        args.full_state_dict = args.fsdp_version == 1
-    args.model_name = name = os.path.expanduser(args.model_name)
+    name = os.path.expanduser(args.model_name)
     csv_path = os.path.join(args.data_dir, "wikihowAll.csv")
     missing = [] if os.path.isfile(csv_path) else [f"{csv_path} not found: {DOWNLOAD_HELP}"]
     if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith((".", "~"))):
@@ -750,42 +738,27 @@ def check_flags(args, device, world_size):
              "--model-name with a directory written by save_pretrained, or a hub id")
     if args.lora_rank and (problem := lora_targets_problem(name, args.lora_targets)):
         fail(problem)
-    args.shard_weights = None  # FSDP2's --cpu-ram-efficient-loading: the folder of safetensors
-    if args.fsdp_version == 2 and args.cpu_ram_efficient_loading:
-        args.shard_weights = safetensors_folder(name)  # once the model is found
     problem = resume_problem(args.resume, args.save_dir, args.epochs, args.overwrite,
                              sharded=args.save_model and args.checkpoint_type == "sharded",
-                             lora=args.lora)
+                             lora=lora)
     if problem:
         fail(problem)
 
 
-def safetensors_folder(name):
-    """The folder of --model-name's safetensors files (a directory, or the hub cache's snapshot of
-    a hub id), or None: none there (a .bin model; a hub model not downloaded yet)."""
-    if os.path.isdir(name):
-        return name if glob.glob(os.path.join(name, "*.safetensors")) else None
-    for file in ("model.safetensors", "model.safetensors.index.json"):
-        cached = huggingface_hub.try_to_load_from_cache(name, file)
-        if isinstance(cached, str):
-            return os.path.dirname(cached)
-    return None
-
-
 def check_lora_flags(args):
-    """The LoRA flags that cannot work, refused in one line; args.lora: what a LoRA run records in
-    its checkpoints (None: full fine-tuning), which a resume must match."""
+    """The LoRA flags that cannot work, refused in one line; returns their settings (add_lora's
+    keyword arguments), or None for full fine-tuning. A LoRA run records them in its checkpoints:
+    a resume must train the same adapters (resume_problem)."""
     if args.base_dtype != "fp32" and not args.lora_rank:
         fail(f"--base-dtype {args.base_dtype} stores the frozen base of LoRA; add --lora-rank, or "
              "for full fine-tuning use --mixed-precision bf16 (which keeps fp32 master weights)")
     if args.base_dtype == "bf16" and args.mixed_precision == "fp16":
         fail("--base-dtype bf16 with --mixed-precision fp16 would cast the bf16 base to fp16, "
              "whose range is smaller; use --mixed-precision bf16 or fp32")
-    args.lora = None
-    if args.lora_rank:
-        args.lora = {"rank": args.lora_rank, "alpha": args.lora_alpha,
-                     "dropout": args.lora_dropout, "targets": sorted(args.lora_targets),
-                     "base_dtype": args.base_dtype}
+    if not args.lora_rank:
+        return None
+    return {"rank": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+            "targets": sorted(args.lora_targets), "base_dtype": args.base_dtype}
 
 
 def lora_targets_problem(name, targets):
@@ -850,7 +823,7 @@ def resume_problem(resume, save_dir, epochs, overwrite, sharded, lora=None):
 
 
 def lora_flags(lora):
-    """A LoRA record (check_lora_flags) as the flags that make it; None: full fine-tuning."""
+    """LoRA settings (check_lora_flags) as the flags that make them; None: full fine-tuning."""
     if not lora:
         return "full fine-tuning"
     flags = {"rank": "--lora-rank", "alpha": "--lora-alpha", "dropout": "--lora-dropout",
@@ -926,6 +899,44 @@ def checked_save(model, path, needed, sharded=False):
     resumes = f"; {rerun_resumes(os.path.dirname(path))}" if sharded else ""
     with saving(path, needed, ELSEWHERE + resumes, sharded=sharded):
         yield
+
+
+class CheckedCheckpointer(Checkpointer):
+    """The lesson's Checkpointer with the safeguards around it. A diverged run stops in one line
+    before anything of it is saved: at once at a non-finite gradient, at a non-finite validation
+    loss, at a non-finite parameter before a save (checked_save, which also checks the free space
+    and turns a failed write into one line). load takes --resume's value and resumes from the
+    checkpoint that rank 0 finds, unless its adapters (LoRA) were trained on another base; a read
+    that fails on any rank stops every rank in one line."""
+
+    def __init__(self, *positional, lora=None, **options):
+        super().__init__(*positional, **options)
+        self.state["lora"] = lora  # which a resume must match (resume_problem)
+        stop_on_non_finite_gradients(self.optimizer, DIVERGED)
+
+    def epoch_done(self, epoch, train_loss, val_loss, last):
+        if val_loss is not None:
+            stop_if_diverged("the validation loss", [torch.tensor(val_loss)], DIVERGED)
+        super().epoch_done(epoch, train_loss, val_loss, last=last)
+
+    def export(self, path):
+        with checked_save(self.model, path, 2 * full_model_bytes(self.model)):
+            super().export(path, cpu_offload=offload_to_cpu(self.model))
+
+    def save(self, path):
+        needed = local_state_bytes(self.model, self.optimizer)
+        with checked_save(self.model, path, needed, sharded=True):
+            super().save(path)
+
+    def load(self, resume):
+        """resume: --resume's value (a checkpoint-epoch-N, a folder of them, auto: --save-dir;
+        None: start afresh), checked by check_flags (resume_problem). The trainer state records
+        the frozen base's fingerprint (LoRA; None without), which a resume must match."""
+        self.state["base"] = base_fingerprint(self.model)
+        path = find_resumable(resume, self.folder)
+        if path:
+            with checkpoint_errors(path, base=self.state["base"]):
+                super().load(path)
 
 
 def local_state_bytes(model, optimizer):
@@ -1039,18 +1050,42 @@ def mixed_precision_choice(choice, device):
     return choice
 
 
-def apply_workarounds(model, device, fsdp_version, sharding_strategy, from_rank0, weights):
-    """The labelled workarounds that sharding needs (each below), applied to model before it is
-    sharded; returns the sharding strategy to use (FSDP1: strategy_to_use's). weights: the folder
-    of safetensors that FSDP2's ranks read shard by shard (None: as loaded, or from rank 0)."""
+def check_sharding_flags(args, device):
+    """The sharding strategy and mixed precision that this world and device allow: (FSDP1)
+    strategy_to_use's NO_SHARD where there is nothing to shard over (one process, or one per node
+    under HYBRID_SHARD), and mixed_precision_choice's policy."""
+    strategy = args.sharding_strategy
+    if args.fsdp_version == 1:
+        strategy = strategy_to_use(strategy)
+    return strategy, mixed_precision_choice(args.mixed_precision, device)
+
+
+def safetensors_to_read(name):
+    """FSDP2's --cpu-ram-efficient-loading: the folder of --model-name's safetensors files (a
+    directory, or the hub cache's snapshot of a hub id), from which every rank reads its shards;
+    None, said in one line, where there are none (a .bin model; a hub model not downloaded yet):
+    rank 0 then loads it whole and broadcasts the shards."""
+    if os.path.isdir(name):
+        folder = name if glob.glob(os.path.join(glob.escape(name), "*.safetensors")) else None
+    else:  # a hub id: its snapshot in the hub's cache, if it has been downloaded
+        cached = [huggingface_hub.try_to_load_from_cache(name, file)
+                  for file in ("model.safetensors", "model.safetensors.index.json")]
+        folder = next((os.path.dirname(path) for path in cached if isinstance(path, str)), None)
+    if folder is None:
+        rank0_print("--cpu-ram-efficient-loading: the model has no safetensors files (a .bin): "
+                    "rank 0 loads it whole and broadcasts each rank's shards")
+    return folder
+
+
+@contextlib.contextmanager
+def sharding_workarounds(model, device, weights, from_rank0):
+    """Around the call that shards model (wrap_model, shard_model): the labelled workarounds it
+    needs, each below; what they patch in torch is restored when the call returns. weights: the
+    folder of safetensors that FSDP2's ranks read shard by shard (None: as loaded, or from rank 0);
+    from_rank0: only rank 0's model has weights (--cpu-ram-efficient-loading)."""
     untie_as_the_weights(model, weights)
-    if fsdp_version == 2:
-        if from_rank0 and not weights:
-            rank0_print("--cpu-ram-efficient-loading: the model has no safetensors files (a .bin): "
-                        "rank 0 loads it whole and broadcasts each rank's shards")
-        return sharding_strategy
-    allow_sync_module_states_on_cpu(from_rank0, device)
-    return strategy_to_use(sharding_strategy)
+    with allow_sync_module_states_on_cpu(from_rank0 and device.type == "cpu"):
+        yield
 
 
 def untie_as_the_weights(model, weights):
@@ -1073,15 +1108,22 @@ def untie_as_the_weights(model, weights):
                                                   requires_grad=model.shared.weight.requires_grad)
 
 
-def allow_sync_module_states_on_cpu(sync_module_states, device):
+@contextlib.contextmanager
+def allow_sync_module_states_on_cpu(needed):
     """Workaround: FSDP1 (torch 2.14) refuses sync_module_states for CPU tensors, assuming NCCL,
     although gloo broadcasts them ("ValueError: The module has CPU parameters or buffers when
-    `sync_module_states=True`, which requires them to be on GPU"); this skips that one private
-    check, torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states. Remove
-    it when FSDP1 lets gloo runs sync CPU modules (tests/test_t5.py's cpu_ram_efficient_loading
+    `sync_module_states=True`, which requires them to be on GPU"); while FSDP1 wraps a CPU model
+    (needed), this skips that one private check, torch.distributed.fsdp._init_utils.
+    _check_module_states_for_sync_module_states (FSDP2 has none), and restores it after. Remove it
+    when FSDP1 lets gloo runs sync CPU modules (tests/test_t5.py's cpu_ram_efficient_loading
     tests pass without it)."""
-    if sync_module_states and device.type == "cpu":
+    check = fsdp_init_utils._check_module_states_for_sync_module_states
+    if needed:
         fsdp_init_utils._check_module_states_for_sync_module_states = lambda states: None
+    try:
+        yield
+    finally:
+        fsdp_init_utils._check_module_states_for_sync_module_states = check
 
 
 def describe_fsdp(model):
@@ -1156,57 +1198,72 @@ def full_model_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def report_built(model, report):
-    """Print what FSDP built (describe_fsdp) and each rank's peak memory so far: what loading and
-    wrapping the model cost it; return the peaks, for --metrics-json."""
-    describe_fsdp(model)
-    report.memory(model)
-    rank0_print("Peak memory per rank after loading the model: "
-                + ", ".join(f"{peak / 2**20:.1f}" for peak in report.peaks) + " MiB")
-    return report.peaks
+class EpochLog(Report):
+    """The plumbing's Report (time, memory, --metrics-json) with this script's lines: what FSDP
+    built and each rank's memory once loaded; each epoch's time (training alone, then with
+    validation) and, with --track-memory, the ranks' peak memory; at the end samples/s and the
+    summary. Its bar is train's and validation's progress bar."""
 
-
-class EpochLog:
-    """The run's figures from the first epoch on: each epoch's time (training alone, then with
-    validation) and, with track_memory, the ranks' peak memory; at the end samples/s, the time and
-    memory summary, and --metrics-json (with the peaks after loading: loaded)."""
-
-    def __init__(self, report, loaded, track_memory):
-        self.report, self.loaded, self.track_memory = report, loaded, track_memory
+    def begin(self, model, train_loader, val_loader):
+        """Print the sizes of the data, what FSDP built (describe_fsdp) and each rank's peak memory
+        so far: what loading and wrapping the model cost it."""
+        self.train_loader, self.val_loader = train_loader, val_loader
         self.train_times, self.epoch_times = [], []
+        rank0_print(f"Size of train dataset: {len(train_loader.dataset)}, validation dataset: "
+                    f"{len(val_loader.dataset) if val_loader else 'none (--no-run-validation)'}")
+        describe_fsdp(model)
+        self.memory(model)
+        self.loaded = self.peaks  # for --metrics-json
+        rank0_print("Peak memory per rank after loading the model: "
+                    + ", ".join(f"{peak / 2**20:.1f}" for peak in self.peaks) + " MiB")
 
     def trained(self):
-        self.train_times.append(self.report.lap())
+        self.train_times.append(self.lap())
 
     def epoch_done(self, epoch, model, optimizer):
-        self.epoch_times.append(self.train_times[-1] + self.report.lap())
+        self.epoch_times.append(self.train_times[-1] + self.lap())
         rank0_print(f"Epoch {epoch} time: {self.epoch_times[-1]:.2f}s")
-        if self.track_memory:
-            kind = "CUDA allocated" if self.report.device.type == "cuda" else "process RSS"
+        if self.args.track_memory:
+            kind = "CUDA allocated" if self.device.type == "cuda" else "process RSS"
             rank0_print(f"Peak memory per rank ({kind}): "
-                        f"{self.report.memory(model, optimizer)[1] / 2**20:.1f} MiB")
+                        f"{self.memory(model, optimizer)[1] / 2**20:.1f} MiB")
 
-    def saved(self):
-        self.report.lap()
+    def epochs(self, numbers):
+        """The epochs' numbers, timed from the first (not the loading and resuming before it),
+        each without the saves after its validation."""
+        super().__init__(self.args, self.device)  # the Report's clock starts again
+        for number in numbers:
+            yield number
+            self.lap()  # the saves' time, not the next epoch's
 
-    def done(self, model, optimizer, state, train_loader, val_loader, mixed_precision):
+    def done(self, model, optimizer, checkpointer, mixed_precision):
+        train_loader, val_loader = self.train_loader, self.val_loader
         samples = len(train_loader.sampler) * dist.get_world_size() * len(self.train_times)
         samples_per_s = samples / sum(self.train_times)
         rank0_print(f"Training: {samples_per_s:.1f} samples/s")
-        self.report.training_done(model, optimizer)
-        best = state["best_checkpoint"]
-        self.report.write(
+        self.training_done(model, optimizer)
+        state, best = checkpointer.state, checkpointer.state["best_checkpoint"]
+        self.write(
             train_loss=state["train_losses"][-1], train_losses=state["train_losses"],
             val_loss=state["best_val_loss"], val_losses=state["val_losses"],
             epoch_times=self.epoch_times, samples_per_s=samples_per_s,
             train_batches=len(train_loader), val_batches=len(val_loader or ()),
             peak_memory_after_loading_per_rank=self.loaded,
             checkpoint=f"{best}-hf" if best else None,
-            checkpoint_pt=f"{best}.pt" if best and self.report.args.full_state_dict else None,
+            checkpoint_pt=f"{best}.pt" if best and checkpointer.full_state_dict else None,
             adapter=f"{best}-adapter" if best and state["lora"] else None, lora=state["lora"],
-            mixed_precision=mixed_precision, fsdp_version=self.report.args.fsdp_version,
+            mixed_precision=mixed_precision, fsdp_version=self.args.fsdp_version,
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
-                               else self.report.args.sharding_strategy))
+                               else self.args.sharding_strategy))
+
+    @staticmethod
+    def bar(loader, desc, colour, leave, disable):
+        """train's and validation's bar: tqdm's (live, coloured, cleared at the end) on a
+        terminal, as in the tutorial; one line per loop when stderr is a file or a pipe (a log)."""
+        PROGRESS["at"] = f" in {desc.removeprefix('r0 ')}"  # for the line of an interrupted run
+        if sys.stderr.isatty():
+            return tqdm(loader, desc=desc, colour=colour, leave=leave, disable=disable)
+        return FinalLine(loader, desc=desc, disable=disable)
 
 
 class FinalLine(tqdm):
@@ -1229,15 +1286,6 @@ class FinalLine(tqdm):
         super().close()
 
 
-def progress_bar(loader, desc, colour, leave, disable):
-    """train's and validation's bar: tqdm's (live, coloured, cleared at the end) on a terminal, as
-    in the tutorial; one line per loop when stderr is a file or a pipe (a log)."""
-    PROGRESS["at"] = f" in {desc.removeprefix('r0 ')}"  # for the line of an interrupted run
-    if sys.stderr.isatty():
-        return tqdm(loader, desc=desc, colour=colour, leave=leave, disable=disable)
-    return FinalLine(loader, desc=desc, disable=disable)
-
-
 def resume_target(resume, save_dir):
     """The complete checkpoint --resume names, or None: DIR itself if it holds its trainer state
     (HF Trainer's resume_from_checkpoint), else the newest complete checkpoint-epoch-N in DIR
@@ -1250,7 +1298,7 @@ def resume_target(resume, save_dir):
 
 def find_resumable(resume, save_dir):
     """The complete sharded checkpoint to resume from (resume_target), as rank 0 finds it, on
-    every rank; None to start afresh. check_flags has checked it (resume_problem)."""
+    every rank; None to start afresh."""
     box = [resume_target(resume, save_dir) if resume and dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if resume == "auto" and not box[0]:
@@ -1339,10 +1387,8 @@ def exit_if_plan(args):
     quiet_known_warnings()
     with torch.device("meta"):  # shapes only: no memory, no weights
         model = T5ForConditionalGeneration(config)
-        if args.lora_rank:  # the same adapters, on the meta device
-            model = add_lora(model, args.lora_rank, alpha=args.lora_alpha,
-                             dropout=args.lora_dropout, targets=args.lora_targets,
-                             base_dtype=BASE_DTYPES[args.base_dtype])
+        if lora := check_lora_flags(args):  # the same adapters, on the meta device
+            model = add_lora(model, **lora)
     precision = args.mixed_precision if args.mixed_precision != "auto" else (
         "bf16" if torch.cuda.is_available() and not args.cpu else "fp32")
     options = {"strategy": args.sharding_strategy, "batch_size": args.batch_size,
