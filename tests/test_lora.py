@@ -49,15 +49,36 @@ BF16_FSDP1 = ["--base-dtype", "bf16", "--mixed-precision", "bf16", "--sharding-s
               "SHARD_GRAD_OP", "--no-save-model"]
 
 
-def adapters_and_base(still_t5_dir):
-    """(parameters of the frozen base, of the adapters, adapter tensors) of the tiny T5 with
-    LoRA rank 8 on q and v: two matrices, rank x in and out x rank, beside every q and v."""
+def adapted_modules(still_t5_dir, targets=("q", "v")):
+    """{name: Linear} of the tiny T5's modules that --lora-targets names (PEFT matches the last
+    part of a module's name: "q" is every attention's q), and the parameters of the model."""
     from transformers import T5ForConditionalGeneration
 
     model = T5ForConditionalGeneration.from_pretrained(still_t5_dir)
-    targets = [m for name, m in model.named_modules() if name.split(".")[-1] in ("q", "v")]
-    adapters = sum(8 * (m.in_features + m.out_features) for m in targets)
-    return sum(p.numel() for p in model.parameters()), adapters, 2 * len(targets)
+    return ({name: m for name, m in model.named_modules() if name.split(".")[-1] in targets},
+            sum(p.numel() for p in model.parameters()))
+
+
+def adapters_and_base(still_t5_dir, targets=("q", "v")):
+    """(parameters of the frozen base, of the adapters, adapter tensors) of the tiny T5 with
+    LoRA rank 8 on targets (q and v): two matrices, rank x in and out x rank, beside each."""
+    modules, base = adapted_modules(still_t5_dir, targets)
+    adapters = sum(8 * (m.in_features + m.out_features) for m in modules.values())
+    return base, adapters, 2 * len(modules)
+
+
+def tensor_names(path):
+    """The names of the tensors in a safetensors file, read from its header."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {name for name in header if name != "__metadata__"}
+
+
+def lora_line(base, adapters, dtype="float32"):
+    """The line a LoRA run prints about what trains."""
+    return (f"LoRA: {adapters:,} of {base + adapters:,} parameters train "
+            f"({100 * adapters / (base + adapters):.2f}%), the adapters; the base is frozen, "
+            f"in {dtype}")
 
 
 def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lora_run,
@@ -71,9 +92,7 @@ def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lor
     one = runs["one process"].metrics
     for name, run in runs.items():
         assert warning_lines(run.output) == [], name
-        assert (f"LoRA: {adapters:,} of {base + adapters:,} parameters train "
-                f"({100 * adapters / (base + adapters):.2f}%), the adapters; the base is frozen, "
-                "in float32") in run.stdout.splitlines(), run.stdout
+        assert lora_line(base, adapters) in run.stdout.splitlines(), run.stdout
         for key in ("train_losses", "val_losses"):
             assert run.metrics[key] == pytest.approx(one[key], rel=1e-5), (name, key)
     assert one["val_losses"][1] < one["val_losses"][0]
@@ -161,9 +180,52 @@ def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t
             config = json.load(f)
         assert config["r"] == 8 and sorted(config["target_modules"]) == ["q", "v"]
         assert config["base_model_name_or_path"] == str(still_t5_dir)
-        with open(f"{adapter}/adapter_model.safetensors", "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        assert len([k for k in header if k != "__metadata__"]) == 24  # A and B of 12 Linears
+        assert len(tensor_names(f"{adapter}/adapter_model.safetensors")) == 24  # 12 Linears' A, B
+
+
+# Adapters on modules other than the default q and v, in attention (k, o) and in the MLP (wi, wo).
+OTHER_TARGETS = ["k", "o", "wi", "wo"]
+
+
+def test_adapters_sit_exactly_on_the_lora_targets(lora_run, still_t5_dir, tmp_path):
+    """--lora-targets k,o,wi,wo (FSDP1, which exports through PEFT's save_pretrained): the exported
+    adapter names exactly those modules, in adapter_config.json and in its tensors (an A and a B
+    beside every k, o, wi and wo, none beside q or v), and the run trains that many adapters: the
+    parameters it says train, and its training state to the byte, which --plan predicts."""
+    run = lora_run(2, "--lora-targets", ",".join(OTHER_TARGETS))
+    assert warning_lines(run.output) == []
+    adapter = run.metrics["adapter"]
+    with open(f"{adapter}/adapter_config.json") as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(OTHER_TARGETS)
+    modules, _ = adapted_modules(still_t5_dir, OTHER_TARGETS)
+    assert len(modules) == 20  # k and o of 6 attentions, wi and wo of 4 MLPs (2 + 2 blocks)
+    assert tensor_names(f"{adapter}/adapter_model.safetensors") == {
+        f"{BASE}{name}.lora_{matrix}.weight" for name in modules for matrix in "AB"}
+    base, adapters, tensors = adapters_and_base(still_t5_dir, OTHER_TARGETS)
+    assert lora_line(base, adapters) in run.stdout.splitlines(), run.stdout
+    expected = (base * 4 + adapters * (4 + 4 + 8)) // 2 + 4 * tensors  # as for q and v, below
+    assert run.metrics["train_state_bytes"] == expected
+    assert run.metrics["lora"]["targets"] == sorted(OTHER_TARGETS)
+    plan = plan_of(SCRIPT, tmp_path, "--model-name", still_t5_dir, "--world-size", 2,
+                   "--lora-rank", 8, "--lora-targets", ",".join(OTHER_TARGETS))
+    assert (plan["train_state_bytes"], plan["trained_parameters"]) == (expected, adapters)
+
+
+def test_lora_dropout_takes_effect(lora_reference, lora_run):
+    """The reference run (FSDP2, a dropout-free base, --lora-dropout 0) with --lora-dropout 0.1:
+    dropout on the adapters' input changes every epoch's losses, the run still learns, and its
+    exported adapter and its checkpoints record 0.1."""
+    run = lora_run(2, "--fsdp-version", 2, "--checkpoint-type", "sharded", "--lora-dropout", 0.1)
+    assert warning_lines(run.output) == []
+    reference = lora_reference.metrics
+    for key in ("train_losses", "val_losses"):
+        for epoch, (loss, without) in enumerate(zip(run.metrics[key], reference[key]), 1):
+            assert loss != pytest.approx(without, rel=1e-6), (key, epoch)
+    assert run.metrics["val_losses"][1] < run.metrics["val_losses"][0]
+    with open(f"{run.metrics['adapter']}/adapter_config.json") as f:
+        assert json.load(f)["lora_dropout"] == 0.1
+    with open(run.cwd / "checkpoint-epoch-1" / "trainer_state.json") as f:
+        assert json.load(f)["lora"]["dropout"] == run.metrics["lora"]["dropout"] == 0.1
 
 
 @pytest.mark.gpu
