@@ -239,18 +239,20 @@ def run_worker(args, use_cuda, script):
 
 
 def return_freed_memory():
-    """On CPU, where the tensors live: hand freed blocks of 1 MiB or more back to the system.
+    """On CPU, where the tensors live: hand freed blocks of 256 KiB or more back to the system.
 
     Workaround: glibc raises its mmap threshold to the size of the largest mmap'd block freed, up
-    to 32 MiB; once FSDP has freed one all-gather buffer, later buffers come from the heap and
-    stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks, a rank's
-    anonymous memory rose 1.2 models above its level after loading (0.37 with the threshold
-    fixed: the benchmarks' table "Memory returned on CPU"). A fixed threshold
-    (mallopt, or MALLOC_MMAP_THRESHOLD_ in the environment) stops the rise. Nothing to do where
-    the C library has no mallopt (musl, macOS); remove it if glibc stops moving its threshold."""
+    to 32 MiB; once FSDP has freed one all-gather buffer, later buffers and activations come from
+    the heap and stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks,
+    a rank's anonymous memory rose 1,372 MiB above its level after loading (FSDP1), 715 with the
+    threshold fixed at 256 KiB (950 at 1 MiB: each layer's attention scores are 0.75 MiB; no
+    lower with 16 or 64 KiB): the benchmarks' table "Memory returned on CPU". A fixed threshold
+    (mallopt, or MALLOC_MMAP_THRESHOLD_ in the environment) stops the rise, with the same losses.
+    Nothing to do where the C library has no mallopt (musl, macOS); remove it if glibc stops
+    moving its threshold."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
-        mallopt(-3, 2**20)  # M_MMAP_THRESHOLD (malloc.h): 1 MiB
+        mallopt(-3, 2**18)  # M_MMAP_THRESHOLD (malloc.h): 256 KiB
 
 
 def init_process_group(backend, timeout, device):
