@@ -56,10 +56,10 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   (--full-state-dict, today's way). Each rank's RssAnon from the line before
   the export until its `Saved` line, above what the rank held as the export began (glibc made to
   return freed memory: hf_memory.RETURN_FREED).
-- Memory returned on CPU (cpu-memory, world size 2, CPU, only when asked for: 25 minutes on 2
-  cores): each script as it runs (safe_launch fixes glibc's mmap threshold at 1 MiB on CPU) and a
-  copy with that one call removed (glibc's default), taking turns: each rank's peak RssAnon,
-  and for T5 its rise above the level after loading, at t5-base's shape with LoRA too.
+- Memory returned on CPU (cpu-memory, world size 2, CPU, only when asked for: 20 minutes on 2
+  cores): each script as it runs (safe_launch fixes glibc's mmap threshold at 256 KiB on CPU)
+  and a copy with that one call removed (glibc's default), taking turns: each rank's peak
+  RssAnon, and for T5 its rise above the level after loading, at t5-base's shape with LoRA too.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -1304,7 +1304,7 @@ if "cpu-memory" in args.only:
                                median(kept, "above_loaded_mib")), ".2f"),
                      "n/a" if same is None else "yes" if same else "no",
                      fmt(median(kept, "wall_s"), ".1f"), fmt(median(returned, "wall_s"), ".1f")])
-    out += ["\n### Memory returned on CPU: glibc's default against the scripts' 1 MiB mmap "
+    out += ["\n### Memory returned on CPU: glibc's default against the scripts' 256 KiB mmap "
             "threshold (CPU, gloo)\n",
             f"{lora_source}; the other rows: {mnist_source or 'MNIST'}, FSDP2's defaults, "
             f"{t5_source or 'the tiny T5'} with `{' '.join(T5_SIZES)}`. LoRA rows: "
