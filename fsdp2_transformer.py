@@ -7,7 +7,7 @@ checkpointing, compile).
 Read shard_model() (the FSDP2 part), tensor_parallel_plan() (--tp-degree: 2-D parallelism with
 FSDP2), train_step(), Checkpointer and AsyncCheckpointer (the checkpoint calls) and main() (the
 recipe, in numbered steps). The data: a synthetic next-token task, from a DataLoader.
-Each of these runs when copied alone with the imports below (and rank0_print, from the bottom).
+Each of these runs when copied alone with the imports below (and rank0_print, just after them).
 
     python fsdp2_transformer.py                      # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 8 fsdp2_transformer.py --explicit-prefetching --mixed-precision
@@ -16,7 +16,7 @@ Each of these runs when copied alone with the imports below (and rank0_print, fr
     sbatch --nodes 2 --gpus-per-node 8 slurm.sbatch fsdp2_transformer.py --tp-degree 4  # 4 x 4
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
-every world size. Below the lesson: Safeguards, which main applies around it, and Plumbing.
+every world size. Below the lesson: Safeguards, which main applies around it, then the planner.
 """
 import contextlib
 import functools
@@ -839,6 +839,12 @@ def add_fresh_start_flags(add):
         "already in --checkpoint-dir")
 
 
+# What --metrics-json says of the checkpoints when none is saved: CheckedCheckpointer.figures()
+# fills it in (the staging figures: CheckedAsyncCheckpointer's).
+NO_CHECKPOINTS = {"checkpoint": None, "checkpoint_stall_s": [], "checkpoint_wait_s": [],
+                  "checkpoint_staging_bytes": None, "checkpoint_staging_s": None}
+
+
 class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A save refuses non-finite
     parameters and a save the disk cannot hold, stops every rank in one line if a write fails (its
@@ -846,6 +852,7 @@ class CheckedCheckpointer(Checkpointer):
     checkpoint whose marker and tensors fit this model, and a read that fails stops every rank in
     one line. pauses: the seconds each save blocked training; waits: the part of them spent
     waiting for the previous save's background write (asynchronous)."""
+    background = ""  # the saved line's word on where it was written
 
     def __init__(self, folder, config, **options):
         self.started, self.last, self.path, self.pauses, self.waits = None, None, None, [], []
@@ -854,7 +861,7 @@ class CheckedCheckpointer(Checkpointer):
 
     def save(self, model, optimizer, step):
         started = time.perf_counter()
-        self.wait()  # (asynchronous) the previous save's line reads its start: set it after
+        self.wait()  # (asynchronous) the previous save's line reads its pause: start this after
         self.started = started
         waited = time.perf_counter() - started
         self.waits.append(waited)
@@ -862,8 +869,7 @@ class CheckedCheckpointer(Checkpointer):
             rank0_print(f"Waited {waited:.2f} s for the previous checkpoint's background write: "
                         "it takes longer than --save-every steps of training; save less often, "
                         "or to a faster disk")
-        if not isinstance(self, AsyncCheckpointer):  # never save a diverged model (FiniteStager)
-            stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
+        self.refuse_diverged(model)
         self.path = os.path.join(self.folder, f"step_{step:06d}")
         self.doing = f"write checkpoint {self.path}"
         with saving(self.path, checkpoint_bytes(model, optimizer, full=self.format == "full"),
@@ -874,14 +880,26 @@ class CheckedCheckpointer(Checkpointer):
                 super().save(model, optimizer, step)
         self.pauses[-1] += time.perf_counter() - self.started
 
+    def refuse_diverged(self, model):
+        """Never save a diverged model: a parameter that is NaN or infinite stops every rank."""
+        stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
+
     def saved(self, path):
-        """The line of a complete checkpoint (of an asynchronous save: once written), with the
-        time training paused for it (so far: the next step may still wait for its copy)."""
-        background = isinstance(self, AsyncCheckpointer)
-        paused = self.pauses[-1] if background else time.perf_counter() - self.started
-        rank0_print(f"Saved checkpoint {path}" + " (in the background)" * background
-                    + f", training paused {paused:.2f} s")
+        """The line of a complete checkpoint, with the time training paused for it so far."""
+        rank0_print(f"Saved checkpoint {path}{self.background}, training paused "
+                    f"{self.paused_so_far():.2f} s")
         self.last = path
+
+    def paused_so_far(self):
+        """A synchronous save is marked complete inside save(), which has paused training since it
+        started."""
+        return time.perf_counter() - self.started
+
+    def figures(self):
+        """What --metrics-json says of the saves: the last complete one, each save's pause and the
+        part of it spent waiting for the previous save's background write."""
+        return {**NO_CHECKPOINTS, "checkpoint": self.last, "checkpoint_stall_s": self.pauses,
+                "checkpoint_wait_s": self.waits}
 
     def mark_complete(self, step, path):
         """The lesson's, durable across a power cut: the files reach the disk (fsync) before the
@@ -935,6 +953,7 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
     when that took long, a diverged model is never copied (FiniteStager), and a copy or write that
     fails on any rank stops every rank in one line. pauses: in save, and in the next step's wait
     for the copy to host memory."""
+    background = " (in the background)"
 
     def __init__(self, folder, config):
         self.staged_bytes, self.shared_before = [], shared_memory_bytes()
@@ -965,6 +984,21 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
             self.wait()  # rank 0's save ends last: after every rank's writer wrote its file
         if dist.get_rank() == 0:
             shutil.rmtree(f"{self.path}.tmp")
+
+    def refuse_diverged(self, model):
+        """Nothing to do before the save: its FiniteStager checks the parameters with the copy, off
+        training's path."""
+
+    def paused_so_far(self):
+        """A save is marked complete once written, in a thread: its pause is save()'s and the next
+        step's wait for the copy, as recorded so far (that step may still be waiting)."""
+        return self.pauses[-1]
+
+    def figures(self):
+        """The saves' figures, and each copy's bytes of shared memory and seconds (its check
+        included)."""
+        return {**super().figures(), "checkpoint_staging_bytes": self.staged_bytes,
+                "checkpoint_staging_s": self.stager.seconds}
 
     def wait_for_staging(self, *hook_args):
         """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
@@ -1031,7 +1065,7 @@ def ctrl_c_for_training_only():
     process they start, have SIGINT blocked: a Ctrl-C reaches the training process, which says
     where a rerun resumes and ends its writer (end_child_processes), never a writer, which would
     print a KeyboardInterrupt traceback of each rank's. (The resource tracker must be running
-    already: CheckedCheckpointer starts it.)"""
+    already: CheckedAsyncCheckpointer.start_writers starts it.)"""
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
@@ -1260,11 +1294,8 @@ class StepLog:
                             if figures["tflops_per_gpu"] is not None else
                             f"{figures['gflops_per_s']:,.1f} GFLOP/s per process"))
         self.report.training_done(model, optimizer, trained=bool(self.losses))
-        checkpoint, pauses, waits, staging, staging_s = None, [], [], None, None
-        if checkpointer is not None:
-            checkpoint, pauses, waits = checkpointer.last, checkpointer.pauses, checkpointer.waits
-        if isinstance(checkpointer, AsyncCheckpointer):
-            staging, staging_s = checkpointer.staged_bytes, checkpointer.stager.seconds
+        saves = checkpointer.figures() if checkpointer else NO_CHECKPOINTS
+        pauses = saves["checkpoint_stall_s"]
         if pauses:
             rank0_print(f"Checkpoints paused training {pauses[0]:.2f} s at the first save" + (
                 f", a median {statistics.median(pauses[1:]):.2f} s at the {len(pauses) - 1} "
@@ -1274,8 +1305,7 @@ class StepLog:
             grad_norms=self.grad_norms, first_step=self.first,
             step=max(self.first - 1, self.last_step), tokens_per_s=tokens_per_s,
             step_time_s=step_time, warmup_steps=max(warmup, 0), step_times_s=self.seconds,
-            checkpoint=checkpoint, checkpoint_stall_s=pauses, checkpoint_wait_s=waits,
-            checkpoint_staging_bytes=staging, checkpoint_staging_s=staging_s, **figures)
+            **saves, **figures)
 
 
 # Dense peak TFLOP/s of one GPU in (bf16, fp32), from NVIDIA's data sheets: the first name found
