@@ -341,13 +341,13 @@ def plan_of(script, cwd, *args):
 
 
 def script_with_lines(script, folder, after, lines):
-    """A copy of the script in folder, with `lines` added after the line `after` (which must be
-    there), beside a copy of the module it imports: how a test puts a bug or a fault inside a real
-    run. Returns the copy's path."""
-    code = (REPO / script).read_text()
-    assert after in code, f"{script} no longer has the line {after!r}"
-    (folder / script).write_text(code.replace(after, after + lines, 1))
-    shutil.copy(REPO / "safe_launch.py", folder)
+    """A copy of the script in folder, beside a copy of the module it imports (safe_launch.py),
+    with `lines` added after the line `after`, which one of the two must have: how a test puts a
+    bug or a fault inside a real run. Returns the script's copy's path."""
+    codes = {name: (REPO / name).read_text() for name in (script, "safe_launch.py")}
+    assert any(after in code for code in codes.values()), f"no line {after!r} any more"
+    for name, code in codes.items():
+        (folder / name).write_text(code.replace(after, after + lines, 1))
     return folder / script
 
 
