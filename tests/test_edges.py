@@ -116,6 +116,7 @@ def test_mnist_save_model_on_a_full_disk(tmp_path, small_disk, mnist_dir, script
     copy = script_with_lines(  # save_model's gather done, its write fails
         script, tmp_path, "    state = get_model_state_dict(model, options=options)\n",
         "    if dist.get_rank() == 0:\n"
+        "        import errno\n"
         "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f'{path}.tmp')\n")
     cwd = tmp_path / "roomy"  # the check passes; then the injected ENOSPC
     cwd.mkdir()
