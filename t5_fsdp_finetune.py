@@ -86,10 +86,10 @@ def load_model_and_tokenizer(name, on_meta=False):
 
 
 def add_lora(model, rank, alpha, dropout, targets, base_dtype):
-    """LoRA with PEFT, before sharding: the model's weights frozen, in base_dtype ("bf16" halves
-    their memory), and beside each Linear named in targets two trainable matrices (the adapters,
-    fp32) of rank `rank`, whose product scaled by alpha / rank adds to the Linear's output."""
-    model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[base_dtype])
+    """LoRA with PEFT, before sharding: the model's weights frozen, in base_dtype (or its name:
+    "bf16" halves their memory), and beside each Linear named in targets two trainable matrices
+    (the adapters, fp32) of rank `rank`, whose product scaled by alpha / rank adds to its output."""
+    model.to(BASE_DTYPES.get(base_dtype, base_dtype))
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules=targets, task_type="SEQ_2_SEQ_LM"))
 
@@ -124,6 +124,7 @@ POLICIES_FSDP2 = {  # FSDP2's: computed in param_dtype, gradients reduced in red
     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "grad-bf16": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
 }
+BASE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --base-dtype: LoRA's frozen base
 # Non-reentrant activation checkpointing takes T5Block's keyword arguments and recomputes with the
 # saved RNG state (same dropout, same losses). Not the tutorial's offload_to_cpu=False: newer torch
 # hands it on to T5Block.forward (the TypeError of pytorch/examples#1210).
@@ -251,9 +252,8 @@ def per_example_loss(model, batch):
     """Cross-entropy of each example, averaged over its real target tokens (labels -100: padding).
     HF's own loss is a token mean over the whole batch; a mean per example makes the epoch loss
     independent of how examples are batched and spread over ranks."""
-    # use_cache=False: the decoder's key/value cache is for generation. In training it only costs
-    # memory, and under activation checkpointing the recomputed forward saves other tensors than
-    # the first one did (CheckpointError: "A different number of tensors was saved").
+    # use_cache=False: the key/value cache is for generation; in training it costs memory, and the
+    # recompute of activation checkpointing fails on it ("A different number of tensors was saved").
     logits = model(input_ids=batch["source_ids"], attention_mask=batch["source_mask"],
                    labels=batch["target_ids"], use_cache=False).logits
     losses = F.cross_entropy(logits.float().transpose(1, 2), batch["target_ids"],
@@ -392,10 +392,39 @@ def export_shards(model, tokenizer, path):
     rank0_print(f"Saved {path}-hf" + (f" and {path}-adapter" if lora else ""))
 
 
+def save_sharded_checkpoint(model, optimizer, trainer_state, path):
+    """Every rank writes its shards of what trains and of the optimizer state (trained_state) into
+    path.tmp (dcp.save, a collective); rank 0 adds the trainer state (epoch, scheduler, losses),
+    which marks it complete, last, and renames it to path."""
+    dcp.save(trained_state(model, optimizer), checkpoint_id=f"{path}.tmp")
+    if dist.get_rank() == 0:
+        with open(os.path.join(f"{path}.tmp", TRAINER_STATE), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(f"{path}.tmp", path)
+    dist.barrier()
+    rank0_print(f"Saved sharded checkpoint {path}")
+
+
+def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
+    """Load a sharded checkpoint into model, optimizer, scheduler and grad scaler, at any world
+    size (each rank reads what its shards hold of the saved ones); return its trainer state."""
+    with open(os.path.join(path, TRAINER_STATE)) as f:
+        state = json.load(f)
+    loaded = trained_state(model, optimizer)  # to fill
+    dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    rank0_print(f"Resumed from {path} (epoch {state['epoch']} done)")
+    return state
+
+
 class Checkpointer:
-    """After each epoch: the losses, the best model so far (the lowest validation loss, or the last
-    epoch's) exported into folder (None: no saves), and with sharded a resumable checkpoint there
-    (checkpoint-epoch-N), which holds the trainer state: epoch, losses, best model."""
+    """After each epoch: the losses, the best model so far (lowest validation loss, or the last
+    epoch's) exported into folder (None: no saves), with sharded a resumable checkpoint there."""
 
     def __init__(self, folder, model, optimizer, scheduler, scaler, tokenizer, full_state_dict=True,
                  sharded=False):
@@ -428,33 +457,8 @@ class Checkpointer:
             return export_shards(self.model, self.tokenizer, path)
         export_model(self.model, self.tokenizer, path, cpu_offload=cpu_offload)
 
-    def save(self, path):
-        """Every rank writes its shards (dcp.save); rank 0 marks them complete, then renames."""
-        state = trained_state(self.model, self.optimizer)
-        if dist.get_rank() == 0:
-            shutil.rmtree(f"{path}.tmp", ignore_errors=True)  # the leftover of a crash
-        dist.barrier()
-        dcp.save(state, checkpoint_id=f"{path}.tmp")
-        if dist.get_rank() == 0:
-            with open(os.path.join(f"{path}.tmp", TRAINER_STATE), "w") as f:
-                json.dump(self.state, f, indent=2)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(f"{path}.tmp", path)
-        dist.barrier()
-        rank0_print(f"Saved sharded checkpoint {path}")
-
-    def load(self, path):
-        """Resume from the checkpoint-epoch-N at path, at any world size (and FSDP version)."""
-        with open(os.path.join(path, TRAINER_STATE)) as f:
-            self.state = json.load(f)
-        loaded = trained_state(self.model, self.optimizer)  # to fill
-        dcp.load(loaded, checkpoint_id=path)  # DCP raises on every rank if any rank fails
-        set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optimizer"], options=StateDictOptions(strict=False))
-        self.scheduler.load_state_dict(self.state["scheduler"])
-        if self.scaler and self.state.get("scaler"):
-            self.scaler.load_state_dict(self.state["scaler"])
-        rank0_print(f"Resumed from {path} (epoch {self.state['epoch']} done)")
+    def save(self, path):  # the sharded checkpoint (CheckedCheckpointer checks around it)
+        save_sharded_checkpoint(self.model, self.optimizer, self.state, path)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -462,15 +466,13 @@ def main(args, device):
     torch.manual_seed(args.seed)
     quiet_known_warnings()  # library warnings and bars that say nothing a user can act on
 
-    # 1. The model (LoRA: with adapters), tokenizer and data; each node's rank 0 loads first
-    #    (downloads, caches). --cpu-ram-efficient-loading: only rank 0 loads the weights, or under
-    #    FSDP2 none: each rank reads its shards from the safetensors files (see shard_model).
+    # 1. The model (LoRA: with adapters), tokenizer and data; each node's rank 0 loads first.
     name, from_rank0 = os.path.expanduser(args.model_name), args.cpu_ram_efficient_loading
     weights = safetensors_to_read(name) if from_rank0 and args.fsdp_version == 2 else None
-    on_meta = bool(weights) or (from_rank0 and dist.get_rank() > 0)
+    on_meta = bool(weights) or (from_rank0 and dist.get_rank() > 0)  # see wrap_model, shard_model
     model, tokenizer = local_rank_zero_first(lambda: checked_model(name, on_meta))
-    lora = check_lora_flags(args)  # LoRA: train small adapters beside the frozen model's weights
-    model = add_lora(model, **lora) if lora else model  # (None: full fine-tuning)
+    lora = check_lora_flags(args)  # the settings of --lora-*; None: full fine-tuning
+    model = add_lora(model, **lora) if lora else model  # LoRA: adapters beside the frozen weights
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
         args.num_val_samples if args.run_validation else None))
@@ -493,8 +495,7 @@ def main(args, device):
                                 mp_policy=POLICIES_FSDP2[precision],
                                 activation_checkpointing=args.activation_checkpointing,
                                 broadcast_from_rank0=from_rank0, weights=weights)
-    log = EpochLog(args, device)  # the run's lines and figures
-    log.begin(model, train_loader, val_loader)  # the data, what FSDP built, the memory so far
+    log = EpochLog(args, device).begin(model, train_loader, val_loader)  # FSDP's units, memory
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
     optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
@@ -560,7 +561,7 @@ def parse_args(argv=None):
         help="dropout on their input")
     add("--lora-targets", type=lambda text: text.split(","), default="q,v", metavar="NAMES",
         help="names of the Linear modules that get adapters (T5: q,k,v,o attention, wi,wo MLP)")
-    add("--base-dtype", default="fp32", choices=["fp32", "bf16"], help="the frozen base's "
+    add("--base-dtype", default="fp32", choices=list(BASE_DTYPES), help="the frozen base's "
         "dtype: bf16 halves its memory (the adapters stay fp32)")
     add = parser.add_argument_group("FSDP").add_argument
     add("--fsdp-version", type=int, default=1, choices=[1, 2], help="1: FSDP1's wrapper (the "
@@ -905,9 +906,10 @@ class CheckedCheckpointer(Checkpointer):
     """The lesson's Checkpointer with the safeguards around it. A diverged run stops in one line
     before anything of it is saved: at once at a non-finite gradient, at a non-finite validation
     loss, at a non-finite parameter before a save (checked_save, which also checks the free space
-    and turns a failed write into one line). load takes --resume's value and resumes from the
-    checkpoint that rank 0 finds, unless its adapters (LoRA) were trained on another base; a read
-    that fails on any rank stops every rank in one line."""
+    and turns a failed write into one line). A sharded save first removes what a crash left under
+    its temporary name. load takes --resume's value and resumes from the checkpoint that rank 0
+    finds, unless its adapters (LoRA) were trained on another base; a read that fails on any rank
+    stops every rank in one line. lora: the LoRA settings, which the trainer state records."""
 
     def __init__(self, *positional, lora=None, **options):
         super().__init__(*positional, **options)
@@ -924,6 +926,9 @@ class CheckedCheckpointer(Checkpointer):
             super().export(path, cpu_offload=offload_to_cpu(self.model))
 
     def save(self, path):
+        if dist.get_rank() == 0:  # the leftover of a crash, among whose files DCP would write
+            shutil.rmtree(f"{path}.tmp", ignore_errors=True)
+        dist.barrier()
         needed = local_state_bytes(self.model, self.optimizer)
         with checked_save(self.model, path, needed, sharded=True):
             super().save(path)
@@ -936,7 +941,8 @@ class CheckedCheckpointer(Checkpointer):
         path = find_resumable(resume, self.folder)
         if path:
             with checkpoint_errors(path, base=self.state["base"]):
-                super().load(path)
+                self.state = load_sharded_checkpoint(path, self.model, self.optimizer,
+                                                     self.scheduler, self.scaler)
 
 
 def local_state_bytes(model, optimizer):
@@ -1206,7 +1212,7 @@ class EpochLog(Report):
 
     def begin(self, model, train_loader, val_loader):
         """Print the sizes of the data, what FSDP built (describe_fsdp) and each rank's peak memory
-        so far: what loading and wrapping the model cost it."""
+        so far: what loading and wrapping the model cost it. Returns the log."""
         self.train_loader, self.val_loader = train_loader, val_loader
         self.train_times, self.epoch_times = [], []
         rank0_print(f"Size of train dataset: {len(train_loader.dataset)}, validation dataset: "
@@ -1216,6 +1222,7 @@ class EpochLog(Report):
         self.loaded = self.peaks  # for --metrics-json
         rank0_print("Peak memory per rank after loading the model: "
                     + ", ".join(f"{peak / 2**20:.1f}" for peak in self.peaks) + " MiB")
+        return self
 
     def trained(self):
         self.train_times.append(self.lap())
