@@ -922,14 +922,20 @@ class CheckedCheckpointer(Checkpointer):
         super().epoch_done(epoch, train_loss, val_loss, last=last)
 
     def export(self, path):
-        with checked_save(self.model, path, 2 * full_model_bytes(self.model)):
+        # Rank 0 writes the full state dict twice (the .pt, the HF files): its bytes are FSDP1's
+        # units' unsharded sizes (full_state_bytes), or the global size of FSDP2's DTensors.
+        full = (full_state_bytes(self.model) if isinstance(self.model, FSDP)
+                else sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        with checked_save(self.model, path, 2 * full):
             super().export(path, cpu_offload=offload_to_cpu(self.model))
 
     def save(self, path):
         if dist.get_rank() == 0:  # the leftover of a crash, among whose files DCP would write
             shutil.rmtree(f"{path}.tmp", ignore_errors=True)
         dist.barrier()
-        needed = local_state_bytes(self.model, self.optimizer)
+        # What this rank writes: its shards of what trains (not a LoRA base) and of the optimizer.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        needed = state_bytes(trained) + state_bytes(list(self.optimizer.state.values()))
         with checked_save(self.model, path, needed, sharded=True):
             super().save(path)
 
@@ -943,13 +949,6 @@ class CheckedCheckpointer(Checkpointer):
             with checkpoint_errors(path, base=self.state["base"]):
                 self.state = load_sharded_checkpoint(path, self.model, self.optimizer,
                                                      self.scheduler, self.scaler)
-
-
-def local_state_bytes(model, optimizer):
-    """The bytes of this rank's shards of the model and optimizer state: what a sharded
-    checkpoint writes on this rank."""
-    trained = [p for p in model.parameters() if p.requires_grad]  # not a LoRA base
-    return state_bytes(trained) + state_bytes(list(optimizer.state.values()))
 
 
 def model_errors(name):
@@ -1194,14 +1193,6 @@ def describe_fsdp2(model):
     for (kind, total, local), count in sizes.items():
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
     describe_lora([(p.numel(), p.requires_grad, p.dtype) for p in model.parameters()])
-
-
-def full_model_bytes(model):
-    """The bytes of the model's full state dict: FSDP1's (full_state_bytes), or the global size
-    of FSDP2's DTensor parameters."""
-    if isinstance(model, FSDP):
-        return full_state_bytes(model)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class EpochLog(Report):
