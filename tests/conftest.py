@@ -342,12 +342,14 @@ def plan_of(script, cwd, *args):
 
 def script_with_lines(script, folder, after, lines):
     """A copy of the script in folder, beside a copy of the module it imports (safe_launch.py),
-    with `lines` added after the line `after`, which one of the two must have: how a test puts a
-    bug or a fault inside a real run. Returns the script's copy's path."""
+    with `lines` added after the line `after`: in the script where it has that line, else in the
+    module. How a test puts a bug or a fault inside a real run. Returns the script's copy's path."""
     codes = {name: (REPO / name).read_text() for name in (script, "safe_launch.py")}
-    assert any(after in code for code in codes.values()), f"no line {after!r} any more"
+    patched = next((name for name, code in codes.items() if after in code), None)
+    assert patched, f"neither {script} nor safe_launch.py has the line {after!r} any more"
     for name, code in codes.items():
-        (folder / name).write_text(code.replace(after, after + lines, 1))
+        (folder / name).write_text(code.replace(after, after + lines, 1) if name == patched
+                                   else code)
     return folder / script
 
 
