@@ -239,19 +239,22 @@ def run_worker(args, use_cuda, script):
 
 
 def return_freed_memory():
-    """On CPU, where the tensors live: hand freed blocks of 256 KiB or more back to the system.
+    """On CPU, where the tensors live: hand freed blocks of 256 KiB or more back to the system,
+    unless MALLOC_MMAP_THRESHOLD_ in the environment says otherwise (glibc has read it).
 
     Workaround: glibc raises its mmap threshold to the size of the largest mmap'd block freed, up
     to 32 MiB; once FSDP has freed one all-gather buffer, later buffers and activations come from
     the heap and stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks,
-    a rank's anonymous memory rose 1,372 MiB above its level after loading (FSDP1), 715 with the
-    threshold fixed at 256 KiB (950 at 1 MiB: each layer's attention scores are 0.75 MiB; no
-    lower with 16 or 64 KiB): the benchmarks' table "Memory returned on CPU". A fixed threshold
-    (mallopt, or MALLOC_MMAP_THRESHOLD_ in the environment) stops the rise, with the same losses.
+    a rank's anonymous memory rose 1,307 MiB above its level after loading (FSDP1; FSDP2 1,198),
+    718 (463) with the threshold fixed at 256 KiB, 950 (645) at 1 MiB (each layer's attention
+    scores are 0.75 MiB; 16 or 64 KiB return no more), with the same losses. The price: each
+    such block is mapped afresh, and the kernel zeroes its pages: that run took 1.30x as long
+    (1.13x at 1 MiB), MNIST's 1.30x. The benchmarks' table "Memory returned on CPU" has every
+    script's figures. MALLOC_MMAP_THRESHOLD_=33554432 gives back glibc's speed and its memory.
     Nothing to do where the C library has no mallopt (musl, macOS); remove it if glibc stops
     moving its threshold."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
+    if mallopt is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         mallopt(-3, 2**18)  # M_MMAP_THRESHOLD (malloc.h): 256 KiB
 
 
