@@ -17,6 +17,7 @@ Each of these runs when copied alone with the imports below (and rank0_print, ju
 
 CUDA + NCCL when a GPU is visible, else CPU + gloo; --batch-size is the global batch, the same at
 every world size. Below the lesson: Safeguards, which main applies around it, then the planner.
+Copy it with safe_launch.py (launching, one-line errors: what the four scripts share).
 """
 import contextlib
 import functools
