@@ -185,7 +185,7 @@ def run_worker(args, use_cuda, script):
         device = torch.device("cuda", torch.cuda.current_device())
     if use_cuda:
         torch.cuda.set_device(device)
-    else:
+    elif args.return_freed_memory:
         return_freed_memory()
     # The script's flag checks, before any process group: a bad input fails at once, also each of
     # torchrun's --max-restarts retries (torchrun retries every failure; nothing says "final").
@@ -239,22 +239,21 @@ def run_worker(args, use_cuda, script):
 
 
 def return_freed_memory():
-    """On CPU, where the tensors live: hand freed blocks of 256 KiB or more back to the system,
-    unless MALLOC_MMAP_THRESHOLD_ in the environment says otherwise (glibc has read it).
+    """--return-freed-memory, on CPU, where the tensors live: hand freed blocks of 256 KiB or more
+    back to the system at once, rather than keep them for reuse as glibc does by default.
 
-    Workaround: glibc raises its mmap threshold to the size of the largest mmap'd block freed, up
-    to 32 MiB; once FSDP has freed one all-gather buffer, later buffers and activations come from
-    the heap and stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks,
-    a rank's anonymous memory rose 1,307 MiB above its level after loading (FSDP1; FSDP2 1,198),
-    718 (463) with the threshold fixed at 256 KiB, 950 (645) at 1 MiB (each layer's attention
-    scores are 0.75 MiB; 16 or 64 KiB return no more), with the same losses. The price: each
-    such block is mapped afresh, and the kernel zeroes its pages: that run took 1.30x as long
-    (1.13x at 1 MiB), MNIST's 1.30x. The benchmarks' table "Memory returned on CPU" has every
-    script's figures. MALLOC_MMAP_THRESHOLD_=33554432 gives back glibc's speed and its memory.
-    Nothing to do where the C library has no mallopt (musl, macOS); remove it if glibc stops
-    moving its threshold."""
+    glibc raises its mmap threshold to the size of the largest mmap'd block freed, up to 32 MiB;
+    once FSDP has freed one all-gather buffer, later buffers and activations come from the heap
+    and stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks, a rank's
+    anonymous memory rose 1,307 MiB above its level after loading (FSDP1; FSDP2 1,198), 718
+    (463) with the threshold fixed at 256 KiB, 950 (645) at 1 MiB (each layer's attention scores
+    are 0.75 MiB; 16 or 64 KiB return no more), with the same losses. The price, why it is not
+    the default: each such block is mapped afresh and the kernel zeroes its pages, so that run
+    took 1.30x as long (1.13x at 1 MiB), MNIST 1.30x, fsdp2_transformer.py with 55M parameters
+    1.45x. The benchmarks' table "Memory returned on CPU" has every script's figures. Nothing to
+    do where the C library has no mallopt (musl, macOS)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    if mallopt is not None:
         mallopt(-3, 2**18)  # M_MMAP_THRESHOLD (malloc.h): 256 KiB
 
 
@@ -616,6 +615,9 @@ def add_run_flags(parser):
     add("--dist-timeout", type=positive(float), default=600, metavar="S", help="seconds to wait "
         "for a lost or hung peer before the job fails (longer than any save or download)")
     add("--metrics-json", metavar="PATH", help="write the final metrics to PATH (rank 0)")
+    add("--return-freed-memory", action="store_true", help="on CPU, give freed blocks of 256 KiB "
+        "or more back to the system at once (glibc keeps them for reuse): at t5-base's shape "
+        "with LoRA, about half the memory a rank gains while training, at 1.3x the time")
     return add
 
 

@@ -56,9 +56,9 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   (--full-state-dict, today's way). Each rank's RssAnon from the line before
   the export until its `Saved` line, above what the rank held as the export began (glibc made to
   return freed memory: hf_memory.RETURN_FREED).
-- Memory returned on CPU (cpu-memory, world size 2, CPU, only when asked for: 20 minutes on 2
-  cores): each script as it runs (safe_launch fixes glibc's mmap threshold at 256 KiB on CPU)
-  and a copy with that one call removed (glibc's default), taking turns: each rank's peak
+- Memory returned on CPU (cpu-memory, world size 2, CPU, only when asked for: 12 minutes on 2
+  cores): each script as it runs by default (glibc keeps freed memory for reuse) and with
+  --return-freed-memory (its mmap threshold fixed at 256 KiB), taking turns: each rank's peak
   RssAnon, and for T5 its rise above the level after loading, at t5-base's shape with LoRA too.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
@@ -189,11 +189,11 @@ HF_EXPORT_RUN = [flag for flag in HF_LOAD_RUN if flag not in ("--no-save-model",
 HF_EXPORT_WAYS = {"shard by shard (files of a quarter of the model)": [],
                   "gathered on rank 0 (--full-state-dict)": ["--full-state-dict"]}
 HF_EXPORT_FROM, HF_EXPORT_UNTIL = "New Val Loss Record", "Saved "
-# cpu-memory: each script's run as it is ("returned") and from a copy of the scripts whose
-# safe_launch.py does not call return_freed_memory ("kept": glibc's default); RssAnon sampled every
-# 10 ms, for T5 also its rise above the level after loading (the line CPU_MEMORY_LOADED).
-CPU_MEMORY_CALL = "        return_freed_memory()\n"
-CPU_MEMORY_WAYS = ("kept (glibc's default)", "returned (the scripts)")
+# cpu-memory: each script's run as it is ("kept": glibc's default) and with --return-freed-memory
+# ("returned"); RssAnon sampled every 10 ms, for T5 also its rise above the level after loading
+# (the line CPU_MEMORY_LOADED).
+CPU_MEMORY_WAYS = {"kept (the default)": [], "returned (--return-freed-memory)":
+                   ["--return-freed-memory"]}
 CPU_MEMORY_LOADED = "Peak memory per rank after loading the model"
 STDERR_TAIL = 40  # lines of a failed run's stderr to show
 MIB = 2**20
@@ -316,20 +316,6 @@ def adamw_copy(folder, option):
     changed = lines[0][:-1] + f", {option}=True)"
     (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
     return folder / "t5_fsdp_finetune.py"
-
-
-def kept_memory_copy(folder):
-    """Copies of the four scripts and their modules in folder, whose safe_launch.py leaves freed
-    memory to glibc's default (no return_freed_memory call); None when the call is not there."""
-    text = (REPO / "safe_launch.py").read_text()
-    if text.count(CPU_MEMORY_CALL) != 1:
-        return None
-    folder.mkdir()
-    for name in ("ddp_mnist.py", "fsdp1_mnist.py", "fsdp2_transformer.py", "t5_fsdp_finetune.py",
-                 "summarization_dataset.py"):
-        shutil.copy(REPO / name, folder)
-    (folder / "safe_launch.py").write_text(text.replace(CPU_MEMORY_CALL, "        pass\n"))
-    return folder
 
 
 def figures_of(config, metrics, stdout):
@@ -729,11 +715,6 @@ if "hf-export" in args.only:  # CPU; the model stored in the first dtype, as saf
 
 
 if "cpu-memory" in args.only:  # world size 2 on CPU; the rows take turns
-    kept = kept_memory_copy(tmp / "kept")
-    if kept is None:
-        log(f"error: safe_launch.py has no single line {CPU_MEMORY_CALL.strip()!r} any more: "
-            "update CPU_MEMORY_CALL in benchmarks/run.py")
-        sys.exit(1)
     t5_run = ["--data-dir", str(wikihow_dir), "--no-save-model", "--cpu"]
     lora_run = ["--model-name", str(lora_model), "--data-dir", str(lora_data), *LORA_SIZES,
                 *LORA_RUN, *LORA]
@@ -748,11 +729,10 @@ if "cpu-memory" in args.only:  # world size 2 on CPU; the rows take turns
         "T5, t5-base's shape, LoRA, FSDP2": ("t5_fsdp_finetune.py", [*lora_run,
                                                                      "--fsdp-version", "2"])}
     for row, (script, flags) in memory_rows.items():
-        for way in CPU_MEMORY_WAYS:
+        for way, way_flags in CPU_MEMORY_WAYS.items():
             configs.append({"benchmark": "cpu-memory", "device": "cpu", "world_size": 2,
-                            "name": f"{row}, {way}", "row": row, "way": way,
-                            "script": str(kept / script) if way == CPU_MEMORY_WAYS[0] else script,
-                            "args": flags})
+                            "name": f"{row}, {way}", "row": row, "way": way, "script": script,
+                            "args": [*flags, *way_flags]})
 
 
 def command_of(config, metrics_path):
@@ -1304,15 +1284,15 @@ if "cpu-memory" in args.only:
                                median(kept, "above_loaded_mib")), ".2f"),
                      "n/a" if same is None else "yes" if same else "no",
                      fmt(median(kept, "wall_s"), ".1f"), fmt(median(returned, "wall_s"), ".1f")])
-    out += ["\n### Memory returned on CPU: glibc's default against the scripts' 256 KiB mmap "
-            "threshold (CPU, gloo)\n",
+    out += ["\n### Memory returned on CPU: glibc's default against --return-freed-memory "
+            "(CPU, gloo)\n",
             f"{lora_source}; the other rows: {mnist_source or 'MNIST'}, FSDP2's defaults, "
             f"{t5_source or 'the tiny T5'} with `{' '.join(T5_SIZES)}`. LoRA rows: "
-            f"`{' '.join([*LORA_SIZES, *LORA_RUN, *LORA])}`. Kept: a copy of the scripts whose "
-            "safe_launch.py does not call return_freed_memory (glibc raises its mmap threshold "
-            "to the largest block freed, up to 32 MiB, and keeps what is freed below it); "
-            "returned: the scripts as they are. Each rank's RssAnon (anonymous memory) is "
-            "sampled every 10 ms: its peak over the whole run, for T5 from the line "
+            f"`{' '.join([*LORA_SIZES, *LORA_RUN, *LORA])}`. Kept: the scripts' default, glibc's "
+            "(it raises its mmap threshold to the largest block freed, up to 32 MiB, and keeps "
+            "what is freed below it); returned: --return-freed-memory (256 KiB, fixed). Each "
+            "rank's RssAnon (anonymous memory) is sampled every 10 ms: its peak over the whole "
+            "run, for T5 from the line "
             f"'{CPU_MEMORY_LOADED}' on, and for T5 the rise of that peak above the first "
             f"sample after that line (the level after loading); the maximum over ranks; "
             f"{runs_said}, the two ways taking turns. Wall s: the training's, from the "
