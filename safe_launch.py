@@ -245,12 +245,12 @@ def return_freed_memory():
     glibc raises its mmap threshold to the size of the largest mmap'd block freed, up to 32 MiB;
     once FSDP has freed one all-gather buffer, later buffers and activations come from the heap
     and stay with the process when freed. At t5-base's shape with LoRA on 2 CPU ranks, a rank's
-    anonymous memory rose 1,307 MiB above its level after loading (FSDP1; FSDP2 1,198), 718
-    (463) with the threshold fixed at 256 KiB, 950 (645) at 1 MiB (each layer's attention scores
+    anonymous memory rose 1,440 MiB above its level after loading (FSDP1; FSDP2 1,113), 718
+    (460) with the threshold fixed at 256 KiB, 950 (645) at 1 MiB (each layer's attention scores
     are 0.75 MiB; 16 or 64 KiB return no more), with the same losses. The price, why it is not
     the default: each such block is mapped afresh and the kernel zeroes its pages, so that run
     took 1.30x as long (1.13x at 1 MiB), MNIST 1.30x, fsdp2_transformer.py with 55M parameters
-    1.45x. The benchmarks' table "Memory returned on CPU" has every script's figures. Nothing to
+    1.52x. The benchmarks' table "Memory returned on CPU" has every script's figures. Nothing to
     do where the C library has no mallopt (musl, macOS)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
