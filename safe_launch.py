@@ -551,9 +551,14 @@ class Report:
     writes --metrics-json: the figures of every script, plus the script's own (write())."""
 
     def __init__(self, args, device):
-        self.args, self.device, self.start, self.laps = args, device, time.perf_counter(), []
+        self.args, self.device = args, device
         self.cuda = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         self.cuda = self.cuda if device.type == "cuda" else None
+        self.restart()
+
+    def restart(self):
+        """Time the run from now on (what came before, such as loading, left out)."""
+        self.start, self.laps = time.perf_counter(), []
         if self.cuda:
             self.cuda[0].record()
 

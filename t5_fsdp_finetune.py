@@ -1229,7 +1229,7 @@ class EpochLog(Report):
     def epochs(self, numbers):
         """The epochs' numbers, timed from the first (not the loading and resuming before it),
         each without the saves after its validation."""
-        super().__init__(self.args, self.device)  # the Report's clock starts again
+        self.restart()
         for number in numbers:
             yield number
             self.lap()  # the saves' time, not the next epoch's
