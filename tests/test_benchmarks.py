@@ -154,3 +154,19 @@ def test_memory_picture_is_drawn(tmp_path):
                  "peak": 4e9}]
     path = draw(tmp_path / "memory.png", "title", curves, measured, note="a note")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_cpu_memory_benchmark_runs_what_it_says():
+    """--only cpu-memory --dry-run: each of its six rows twice on 2 CPU ranks, once as the script
+    runs by default and once with --return-freed-memory, the LoRA rows at t5-base's shape."""
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "cpu-memory",
+                           "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    runs = [line for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    assert len(runs) == 12 and all("--nproc_per_node 2" in run and "--cpu" in run.split()
+                                   for run in runs)
+    returned = [run for run in runs if "--return-freed-memory" in run]
+    assert [run.replace(" --return-freed-memory", "") for run in returned] == [
+        run for run in runs if run not in returned]
+    lora = [run for run in returned if "--lora-rank 16" in run]
+    assert len(lora) == 2 and all("t5-base-shape" in run for run in lora)
