@@ -93,11 +93,12 @@ class Attention(nn.Module):
         self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         batch, seq, _ = x.shape  # -1: this rank's heads (all of them without tensor parallel)
         q, k, v = (linear(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
                    for linear in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # t sees positions <= t only
+        # (A dense mask; flex_attention, compiled, would skip the masked blocks: future work.)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -111,8 +112,9 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x):
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x, mask=None):
+        # mask as a keyword: tensor parallel's PrepareModuleInput gathers the positional x only
+        x = x + self.attention(self.attention_norm(x), mask=mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -127,14 +129,17 @@ class Transformer(nn.Module):
         self.activation_checkpointing = False  # see shard_model()
         self.reset_parameters()  # a no-op on the meta device; after to_empty, call it again
 
-    def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens, positions=None, documents=None):
+        if positions is None:  # [1, seq]: the same in every row (packed: restart per document)
+            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        mask = None if documents is None else (  # [batch, 1, seq, seq]: same document and causal
+            documents[:, :, None] == documents[:, None, :]).tril()[:, None]
         x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for layer in self.layers:
             if self.activation_checkpointing:  # keep only x; recompute the block in backward
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, mask, use_reentrant=False)
             else:
-                x = layer(x)
+                x = layer(x, mask)
         return self.output(self.norm(x))
 
     def reset_parameters(self):
@@ -168,10 +173,38 @@ def global_batch(rules, step, batch_size, seq_len, seed):
     return tokens
 
 
-def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step):
+def packed_batch(rules, step, batch_size, seq_len, seed, one_per_row=False):
+    """Step's global batch as documents (--pack-documents): [batch_size, 4, seq_len], rows of
+    (tokens, labels, positions, document ids). Lengths: log-normal (median seq_len / 8, sigma 1: a
+    long tail) clipped to [2, seq_len]; each document follows a rule, as global_batch's rows do,
+    and one that does not fit starts the next row (one_per_row: each does, the padded baseline)."""
+    generator = torch.Generator().manual_seed((seed * 2**32 + step) % 2**63)
+    lengths = torch.empty(batch_size * seq_len // 2).log_normal_(  # enough to fill every row
+        math.log(seq_len / 8), 1.0, generator=generator).long().clamp(2, seq_len)
+    rows = torch.zeros(batch_size, 4, seq_len, dtype=torch.long)
+    rows[:, 1], rows[:, 3], row, at = -100, -1, 0, 0  # the padding's labels and document id
+    for i, length in enumerate(lengths.tolist()):
+        if at + length > seq_len or (one_per_row and at > 0):
+            row, at = row + 1, 0
+        if row == batch_size:
+            break
+        rows[row, 2, at:at + length] = torch.arange(length)  # positions restart
+        rows[row, 3, at:at + length], at = i, at + length
+    tokens, positions, documents = rows[:, 0], rows[:, 2], rows[:, 3]
+    # Each document's rule and first token (the padding, document -1, gets tokens too)
+    rule, start = (torch.randint(n, (i + 1,), generator=generator) for n in rules.shape)
+    for t, doc in enumerate(documents.T):
+        tokens[:, t] = torch.where(positions[:, t] == 0, start[doc],
+                                   rules[rule[doc], tokens[:, t - 1]])
+    # Labels: the next token where it goes on the same document, else -100 (ignored)
+    rows[:, 1, :-1] = tokens[:, 1:].where(positions[:, 1:] == positions[:, :-1] + 1, -100)
+    return rows
+
+
+def rank_batch(rules, batch_size, seq_len, seed, rank, world_size, step, task=global_batch):
     """This rank's rows of step's global batch: what the DataLoader's worker builds (see main)."""
     rows = batch_size // world_size
-    tokens = global_batch(rules, step, batch_size, seq_len, seed)[rank * rows:(rank + 1) * rows]
+    tokens = task(rules, step, batch_size, seq_len, seed)[rank * rows:(rank + 1) * rows]
     return tokens.clone()  # only these rows travel from the worker
 
 
@@ -187,7 +220,7 @@ def tensor_parallel_plan():
     whole_sequence = PrepareModuleInput(input_layouts=(Shard(1),),
                                         desired_input_layouts=(Replicate(),))
     return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "layers.*.attention_norm": SequenceParallel(), "layers.*.mlp_norm": SequenceParallel(),
             "layers.*.attention": whole_sequence, "layers.*.mlp": whole_sequence,
             **{f"layers.*.attention.{name}": ColwiseParallel() for name in ("q", "k", "v")},
@@ -224,23 +257,32 @@ def shard_model(model, device, mesh, *, tp_plan=None, mp_policy=MixedPrecisionPo
 
 # ------------------------------------------------------------------------------------------ step
 def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
-    """One optimizer step on this rank's rows of the global batch. Returns the loss summed over
-    ranks and the gradient norm as device tensors: reading them (.item()) would make the host wait
-    for the GPU, so the caller reads them once the next step is queued."""
+    """One optimizer step on this rank's rows of the global batch (or of packed_batch's). Returns
+    the loss summed over ranks and the gradient norm as device tensors: reading them (.item())
+    would make the host wait for the GPU, so the caller reads them once the next step is queued."""
     optimizer.zero_grad()
     micro_batches = tokens.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=tokens.device)
+    packed = tokens.dim() == 3
+    if packed:  # the step's real tokens (labels not -100), on all ranks: the loss's denominator
+        real = (tokens[:, 1] != -100).sum()
+        dist.all_reduce(real)  # (tensor parallel: each of the T ranks of a row counts it)
     for i, micro in enumerate(micro_batches):
         # Reduce-scatter after the last micro-batch only; until then gradients add up unsharded.
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-        logits = model(micro[:, :-1])
+        inputs, labels, positions, documents = (
+            micro.unbind(1) if packed else (micro[:, :-1], micro[:, 1:], None, None))
+        logits = model(inputs, positions, documents)
         # Scaled so that the accumulated gradient is that of the mean over all micro-batches;
         # FSDP2 then averages over the ranks: the gradient of the global batch's mean loss.
+        # Packed: the sum over real tokens x world size / real, which FSDP2's average over the
+        # world size / T data-parallel ranks makes the mean over the step's real tokens.
         # Tensor parallel: the logits are a DTensor split over the vocabulary; loss_parallel
         # computes the loss and its gradient from the parts (no rank gathers all the logits).
         with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), micro[:, 1:].flatten()) / len(
-                micro_batches)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                   reduction="sum" if packed else "mean")  # ignores -100
+            loss = loss * (dist.get_world_size() / real) if packed else loss / len(micro_batches)
             loss.backward()
         loss = loss.detach()  # as a DTensor, replicated: each rank of a TP group holds it
         loss_sum += loss.to_local() if isinstance(loss, DTensor) else loss
@@ -480,8 +522,11 @@ def main(args, device):
     # 5. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
     steps = range(start_step + 1, args.steps + 1)
+    task = (functools.partial(packed_batch, one_per_row=args.pad_documents)
+            if args.pack_documents else global_batch)  # documents packed into rows, or not
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp)
+                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp,
+                                   task=task)
     loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
                         pin_memory=cuda)
 
@@ -489,7 +534,8 @@ def main(args, device):
     log = StepLog(Report(args, device), model, steps=steps, log_every=args.log_every,
                   tokens_per_step=args.batch_size * args.seq_len, bf16=args.mixed_precision,
                   warmup=1 + args.compile)
-    for step, tokens in zip(steps, loader):
+    in_step = LockStep(args.dist_timeout)  # ranks out of step fail in one line, not hang
+    for step, tokens in in_step.batches(zip(steps, loader), "training", first=steps.start):
         if args.explicit_prefetching:
             model.unshard()  # start the root's all-gather before the step needs it
         loss, grad_norm = train_step(model, optimizer, tokens.to(device, non_blocking=True),
@@ -497,7 +543,7 @@ def main(args, device):
                                      max_norm=args.max_norm)
         save_now = checkpointer is not None and (step % args.save_every == 0
                                                  or step == args.steps)
-        log.step(step, loss, grad_norm, check_now=save_now)  # reads the previous step's
+        log.step(step, loss, grad_norm, tokens, check_now=save_now)  # reads the previous step's
         if save_now:
             checkpointer.save(model, optimizer, step)
             log.paused()
@@ -525,6 +571,10 @@ def parse_args(argv=None):
         help="split each rank's batch into K micro-batches; gradients are reduced after the last")
     add("--seed", type=positive(int, zero=True, most=2**32 - 1), default=0, metavar="S",
         help="random seed (model init and the data)")
+    add("--pack-documents", action="store_true", help="documents of log-normal lengths (median "
+        "--seq-len / 8, sigma 1, clipped to 2..--seq-len) packed into rows: attention and "
+        "positions per document, the loss over real tokens; reports useful (non-padding) tokens/s")
+    add("--pad-documents", action="store_true", help="the padded baseline: a document per row")
     add = parser.add_argument_group("FSDP2 (torchtitan's flag in brackets)").add_argument
     add("--explicit-prefetching", action="store_true", help="each block all-gathers the next "
         "--prefetch-depth ones in forward and backward; each step starts the root's all-gather")
@@ -588,6 +638,7 @@ from torch.distributed.fsdp import FSDPModule
 from safe_launch import (
     PLAN_RANKS,
     PROGRESS,
+    LockStep,
     RankZeroArgumentParser,
     Report,
     Script,
@@ -685,6 +736,12 @@ def check_flags(args, device, world_size):
     problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if problem:
         fail(problem)
+    if args.pad_documents and not args.pack_documents:
+        fail("--pad-documents puts one document of --pack-documents' task in each row; add "
+             "--pack-documents")
+    if args.pack_documents and args.seq_len < 2:
+        fail(f"--pack-documents with --seq-len {args.seq_len}: a document needs 2 tokens to have "
+             "a next one to learn; use --seq-len 2 or more")
     if args.async_checkpoint and args.checkpoint_format != "sharded":
         fail("--async-checkpoint writes sharded checkpoints in the background; add "
              "--checkpoint-format sharded")
@@ -1216,7 +1273,8 @@ class StepLog:
     never makes the GPU wait (the loss of the newest step is read only on a line or before a
     save). Every --log-every steps a line gives the loss and, for the steps since the line before,
     tokens/s (on a GPU also TFLOP/s and MFU). A non-finite loss stops every rank. done() prints
-    the steady state, the first warmup steps and checkpoint pauses excluded, and the metrics."""
+    the steady state, the first warmup steps and checkpoint pauses excluded, and the metrics;
+    with packed documents also useful tokens/s: the tokens of documents, not of the padding."""
 
     def __init__(self, report, model, steps, log_every, tokens_per_step, bf16, warmup):
         """steps: the range of steps this run trains."""
@@ -1226,14 +1284,18 @@ class StepLog:
         self.flops_per_token = flops_per_token(model, model.pos_embeddings.num_embeddings)
         self.peak_tflops = peak_tflops(report.device, bf16)
         self.unread, self.losses, self.grad_norms, self.seconds = [], [], [], []
+        self.useful = []  # packed documents: each step's (document tokens, tokens) on this rank
         self.last_line = 0  # len(self.seconds) when the last line was printed
         if not steps:
             rank0_print(f"The checkpoint is at step {self.first - 1}, --steps is "
                         f"{self.last_step}: no training")
         self.clock = time.perf_counter()
 
-    def step(self, step, loss, grad_norm, check_now=False):
+    def step(self, step, loss, grad_norm, batch, check_now=False):
+        """batch: this rank's rows, on the host (packed_batch's: their padding is counted)."""
         PROGRESS["at"] = f" at step {step}"  # for the line of an interrupted run
+        if batch.dim() == 3:  # (tokens, labels, positions, document ids); the padding's is -1
+            self.useful.append((int((batch[:, 3] >= 0).sum()), batch[:, 3].numel()))
         self.unread.append((step, loss, grad_norm))
         line = step % self.log_every == 0 or step in (self.first, self.last_step)
         self.read(keep=0 if line or check_now else 1)
@@ -1254,6 +1316,16 @@ class StepLog:
                 fail(f"training diverged: the loss of step {step} is {loss}; {DIVERGED}")
             self.losses.append(loss)
             self.grad_norms.append(grad_norm.item())
+
+    def useful_share(self, warmup):
+        """Packed documents: the share of the steady steps' tokens (every rank's) that are in a
+        document, not padding; else None. Every rank calls it (an all-reduce)."""
+        if not self.useful:
+            return None
+        counts = torch.tensor(self.useful[max(warmup, 0):] or self.useful, dtype=torch.float64)
+        counts = counts.sum(dim=0).to(self.report.device)
+        dist.all_reduce(counts)  # (tensor parallel: each row counted T times, in both)
+        return (counts[0] / counts[1]).item()
 
     def paused(self):
         """A checkpoint paused training until now: not training time."""
@@ -1283,11 +1355,15 @@ class StepLog:
         if self.report.device.type == "cuda":
             figures["tflops_per_gpu"] = per_process / 1e12
             figures["mfu"] = self.peak_tflops and per_process / 1e12 / self.peak_tflops
+        useful = self.useful_share(warmup)
+        figures["useful_tokens_per_s"] = useful * tokens_per_s if useful and tokens_per_s else None
         if self.losses:
             vocab = model.output.out_features
             rank0_print(f"Trained steps {self.first}-{self.last_step}: final loss "
                         f"{self.losses[-1]:.4f} (ln(vocab) = {math.log(vocab):.4f}"
-                        f"), {tokens_per_s:,.0f} tokens/s in the steady state (median step "
+                        f"), {tokens_per_s:,.0f} tokens/s in the steady state" + (
+                            f", {figures['useful_tokens_per_s']:,.0f} of them useful ({useful:.1%} "
+                            "in documents, not padding)" if useful else "") + " (median step "
                         f"{step_time * 1000:.1f} ms, the first {max(warmup, 0)} step(s) and "
                         "checkpoint pauses left out), " + (
                             f"{figures['tflops_per_gpu']:.1f} TFLOP/s per GPU" + (

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 class Script(NamedTuple):
@@ -333,6 +334,86 @@ def agree_on_error(error):
     dist.all_gather_object(errors, error)
     if any(errors):
         fail(next(e for e in errors if e))
+
+
+class LockStep:
+    """Ranks that run different numbers of batches, or of forwards in a batch, fail in one line
+    instead of hanging. Every FSDP collective waits for every rank: a rank whose loader runs out
+    first, or that cuts its batch into fewer micro-batches, leaves the others waiting in their next
+    all-gather until --dist-timeout, and then each says only that a collective failed.
+
+    So the ranks check in with each other before each batch of a loop (batches) and when a loop
+    runs out; given the model (where ranks may run different numbers of forwards in a batch), also
+    before each of its forwards (a forward pre-hook, ahead of FSDP's own) and before each optimizer
+    step (a hook of every optimizer's, ahead of theirs). Where one rank is not where the others
+    are, every rank stops with a line saying which ranks ran out, or went on, where. The check-ins
+    go over a gloo group of their own, on the host: no GPU waits for them. Each is an all-gather
+    of 4 numbers, which also makes the ranks wait for each other (benchmarks/README.md,
+    "Lock-step check")."""
+
+    BATCH, FORWARD, OUT, STEP = range(4)
+    step_hook = None  # the optimizers' hook: one, of the newest LockStep of this process
+
+    def __init__(self, timeout_s, model=None):
+        self.loops, self.batch, self.forwards = [], 0, 0  # the loops' names; where this rank is
+        self.group, self.model = None, model is not None
+        if dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+        if self.group and model is not None:
+            model.register_forward_pre_hook(self.before_forward, prepend=True)
+            if LockStep.step_hook:
+                LockStep.step_hook.remove()
+            # Global: it runs before each optimizer's own hooks (a check of the gradients that
+            # all-reduces would otherwise wait for a rank still running its forwards).
+            LockStep.step_hook = register_optimizer_step_pre_hook(
+                lambda optimizer, args, kwargs: self.check_in(self.STEP, self.batch, self.forwards))
+
+    def batches(self, loader, what, first=1):
+        """loader's batches, numbered from first; what names them in an error ("training")."""
+        self.loops.append(what)
+        self.batch, self.forwards = first - 1, 0
+        for item in loader:
+            self.check_in(self.BATCH, self.batch + 1, self.forwards)  # those of the batch before
+            self.batch, self.forwards = self.batch + 1, 0
+            yield item
+        self.check_in(self.OUT, self.batch, self.forwards)
+
+    def before_forward(self, module, inputs):
+        self.forwards += 1
+        self.check_in(self.FORWARD, self.batch, self.forwards)
+
+    def check_in(self, kind, batch, forwards):
+        if self.group is None:
+            return
+        here = torch.tensor([len(self.loops), kind, batch, forwards])
+        everyone = [torch.empty_like(here) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, here, group=self.group)
+        if any(not torch.equal(there, here) for there in everyone):
+            fail(self.out_of_step([there.tolist() for there in everyone]))
+
+    def out_of_step(self, positions):
+        """The line for ranks at different places: [loop, kind, batch, forwards] per rank."""
+        where = {}
+        for rank, (loop, kind, batch, forwards) in enumerate(positions):
+            what = self.loops[loop - 1] if 0 < loop <= len(self.loops) else "no loop"
+            if kind == self.OUT:
+                text = f"ran out of {what} batches after batch {batch}"
+            elif kind == self.STEP:
+                text = (f"went on to the optimizer step after {forwards} forward(s) of {what} "
+                        f"batch {batch}")
+            elif kind == self.BATCH:
+                text = f"went on to {what} batch {batch}" + (
+                    f" after {forwards} forward(s) in batch {batch - 1}" if self.model else "")
+            else:
+                text = f"ran forward {forwards} of {what} batch {batch}"
+            where.setdefault(text, []).append(str(rank))
+        said = "; ".join(f"rank{'s' * (len(ranks) > 1)} {','.join(ranks)} {text}"
+                         for text, ranks in where.items())
+        return (f"ranks out of step: {said}. Every rank must run as many batches, and as many "
+                "forwards in each, or FSDP's collectives wait for the missing ones until "
+                "--dist-timeout: give each rank the same number of batches (DistributedSampler "
+                "does), and a rank with fewer micro-batches zero-weight fillers")
 
 
 def local_rank_zero_first(load):

@@ -5,7 +5,8 @@ pretrained model, one unit per T5Block, device_id initialization, sharding strat
 prefetch, mixed precision, activation checkpointing, the rank-0 streaming full-state-dict save
 and resumable sharded (DCP) checkpoints; --fsdp-version 2 shards the same units with FSDP2
 (fully_shard, which fsdp2_transformer.py teaches). --lora-rank trains LoRA adapters (PEFT) on the
-frozen model instead of every weight. The FSDP parts: wrap_model(), shard_model().
+frozen model instead of every weight. --max-tokens cuts each step into micro-batches of at most N
+tokens, the ranks kept in step (micro_batches). The FSDP parts: wrap_model(), shard_model().
 
     python t5_fsdp_finetune.py                           # one process per GPU, or 2 CPU processes
     torchrun --nproc_per_node 4 t5_fsdp_finetune.py --sharding-strategy SHARD_GRAD_OP \\
@@ -261,30 +262,69 @@ def per_example_loss(model, batch):
     return losses.sum(dim=1) / (batch["target_ids"] != -100).sum(dim=1)
 
 
-def train(model, loader, optimizer, scaler, epoch, device, bar=tqdm):
-    """One epoch; rank 0 shows its progress with bar (tqdm's interface)."""
+def micro_batches(batch, max_tokens):
+    """This rank's share of a step (batch) in micro-batches of at most max_tokens tokens (None:
+    [batch]), sorted by length, cut greedily, each cut to its longest source and target (its
+    tokens: examples x their sum) rather than padded to --input-length and --output-length; an
+    example longer than max_tokens goes alone. A rank that ran fewer would leave the others
+    waiting in FSDP's all-gathers: the ranks agree on the count (on a GPU a host sync per step: it
+    decides how many passes run), and one with fewer adds fillers (zero weight) to run each unit."""
+    if max_tokens is None:
+        return [batch]
+    lengths = torch.stack([batch["source_mask"].sum(1), batch["target_mask"].sum(1)], 1).cpu()
+    groups = []  # each the indices of its examples, the shortest first
+    for i in lengths.sum(dim=1).argsort(stable=True).tolist():
+        group = [*groups[-1], i] if groups else [i]
+        if len(group) > 1 and len(group) * lengths[group].amax(dim=0).sum() <= max_tokens:
+            groups[-1] = group
+        else:
+            groups.append([i])
+    batches = []
+    for group in groups:  # each without the padding columns that none of its examples uses
+        part = {"weight": batch["weight"][group]}
+        longest = dict(zip(("source", "target"), lengths[group].amax(dim=0).tolist()))
+        for key in ("source_ids", "source_mask", "target_ids", "target_mask"):
+            part[key] = batch[key][group, :longest[key.split("_")[0]]]  # a copy, contiguous
+        batches.append(part)
+    count = torch.tensor(len(batches), device=batch["weight"].device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    filler = {**batches[0], "weight": torch.zeros_like(batches[0]["weight"])}  # adds nothing
+    batches += [filler] * (count.item() - len(batches))
+    return batches
+
+
+def train(model, loader, optimizer, scaler, epoch, device, max_tokens=None, bar=tqdm):
+    """One epoch; rank 0 shows its progress with bar (tqdm's interface). max_tokens: each step's
+    gradients added up over micro-batches of at most that many tokens (micro_batches)."""
     model.train()
     loader.sampler.set_epoch(epoch)
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed example losses, examples
     for batch in bar(loader, desc=f"r0 Training Epoch {epoch}", colour="blue", leave=False,
                      disable=dist.get_rank() != 0):
         batch = {k: v.to(device) for k, v in batch.items()}
+        batch["weight"] = torch.ones(len(batch["source_ids"]), device=device)  # fillers': 0
+        examples = batch["weight"].sum()
+        dist.all_reduce(examples)  # of the step's global batch, over which the loss averages
         optimizer.zero_grad(set_to_none=True)
-        losses = per_example_loss(model, batch)
-        if scaler:  # fp16: scale the loss so that small gradients do not underflow
-            scaler.scale(losses.mean()).backward()
+        # The gradients add up over the micro-batches, each one's reduce-scattered at once (FSDP's
+        # no_sync would keep them unsharded until the last: less communication, more memory).
+        for part in micro_batches(batch, max_tokens):
+            losses = per_example_loss(model, part) * part["weight"]
+            # Times the ranks: FSDP averages their gradients (sums them divided by the ranks).
+            loss = losses.sum() * dist.get_world_size() / examples
+            (scaler.scale(loss) if scaler else loss).backward()  # fp16: scaled, no underflow
+            totals += torch.stack([losses.detach().sum(), part["weight"].sum()])
+        if scaler:  # fp16: one step, unscaled, skipped if a gradient overflowed
             scaler.step(optimizer)
             scaler.update()
         else:
-            losses.mean().backward()
             optimizer.step()
-        totals += torch.stack([losses.detach().sum(), torch.tensor(len(losses), device=device)])
     dist.all_reduce(totals)
     rank0_print(f"Train Epoch: \t{epoch}, Loss: \t{totals[0] / totals[1]:.4f}")
     return (totals[0] / totals[1]).item()
 
 
-def validation(model, loader, device, bar=tqdm):
+def validation(model, loader, device, max_tokens=None, bar=tqdm):
     model.eval()
     sampler, seen = loader.sampler, 0
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed example losses, examples
@@ -292,13 +332,15 @@ def validation(model, loader, device, bar=tqdm):
         for batch in bar(loader, desc="Validation Epoch", colour="green", leave=False,
                          disable=dist.get_rank() != 0):
             batch = {k: v.to(device) for k, v in batch.items()}
-            losses = per_example_loss(model, batch)
             # DistributedSampler repeats examples to give every rank as many batches (FSDP needs
             # all ranks in every forward): count each example once, by its index rank + k * ranks.
-            index = sampler.rank + sampler.num_replicas * torch.arange(seen, seen + len(losses))
-            real = (index < len(sampler.dataset)).to(device)
-            seen += len(losses)
-            totals += torch.stack([losses[real].sum(), real.sum()])
+            index = sampler.rank + sampler.num_replicas * torch.arange(
+                seen, seen + len(batch["source_ids"]))
+            batch["weight"] = (index < len(sampler.dataset)).to(device, torch.float32)
+            seen += len(index)
+            for part in micro_batches(batch, max_tokens):
+                losses = per_example_loss(model, part) * part["weight"]
+                totals += torch.stack([losses.sum(), part["weight"].sum()])
     dist.all_reduce(totals)
     rank0_print(f"Validation Loss: {totals[0] / totals[1]:.4f}")
     return (totals[0] / totals[1]).item()
@@ -514,9 +556,11 @@ def main(args, device):
     for epoch in log.epochs(range(checkpointer.state["epoch"] + 1, args.epochs + 1)):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
-        train_loss = train(model, train_loader, optimizer, scaler, epoch, device, bar=log.bar)
+        train_loss = train(model, train_loader, optimizer, scaler, epoch, device,
+                           max_tokens=args.max_tokens, bar=log.bar)
         log.trained()
-        val_loss = validation(model, val_loader, device, bar=log.bar) if val_loader else None
+        val_loss = validation(model, val_loader, device, max_tokens=args.max_tokens,
+                              bar=log.bar) if val_loader else None
         scheduler.step()
         log.epoch_done(epoch, model, optimizer)  # its time, and memory
         checkpointer.epoch_done(epoch, train_loss, val_loss, last=epoch == args.epochs)
@@ -544,6 +588,10 @@ def parse_args(argv=None):
     add = parser.add_argument_group("training").add_argument
     add("--batch-size", type=positive(int), default=4, metavar="N", help="batch per process")
     add("--test-batch-size", type=positive(int), default=4, metavar="N", help="validation batch")
+    add("--max-tokens", type=positive(int), metavar="N", help="cut each rank's batch into micro-"
+        "batches of at most N tokens (source + target, padded to the micro-batch's longest, not to "
+        "--input-length and --output-length), gradients added up; at least the sum of those two. "
+        "Default: one batch, padded to them")
     add("--epochs", type=positive(int), default=2, metavar="N", help="number of epochs to train")
     add("--lr", type=positive(float, most=1e30), default=0.002, metavar="LR",
         help="AdamW learning rate, at most 1e30 (much larger ones overflow float32)")
@@ -629,6 +677,7 @@ from transformers.utils import logging as hf_logging
 from safe_launch import (
     PLAN_RANKS,
     PROGRESS,
+    LockStep,
     RankZeroArgumentParser,
     Report,
     Script,
@@ -716,6 +765,10 @@ def check_flags(args, device, world_size):
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
     lora = check_lora_flags(args)
+    longest = args.input_length + args.output_length  # an example's tokens at most
+    if args.max_tokens is not None and args.max_tokens < longest:  # micro-batches of at most N
+        fail(f"--max-tokens {args.max_tokens} is less than --input-length + --output-length "
+             f"({longest}), the tokens of the longest example; pass at least {longest}")
     if args.full_state_dict is False and args.fsdp_version == 1:
         fail("--no-full-state-dict: FSDP1 writes its HF files from the full state dict; FSDP2 "
              "(--fsdp-version 2) writes them from every rank's shards")
@@ -1206,6 +1259,12 @@ class EpochLog(Report):
         so far: what loading and wrapping the model cost it. Returns the log."""
         self.train_loader, self.val_loader = train_loader, val_loader
         self.train_times, self.epoch_times = [], []
+        # bar's: ranks kept in step; with --max-tokens also in each step's forwards (a rank's count
+        # varies there), which costs a check-in each. Made first, before "FSDP built": once, a peer
+        # stopped then (tests/test_faults.py's hung peer) left rank 0 in the new group's set-up
+        # past --dist-timeout (torch 2.14, gloo); made before, the test's stop comes after it.
+        self.lock_step = LockStep(self.args.dist_timeout,
+                                  model=model if self.args.max_tokens else None)
         rank0_print(f"Size of train dataset: {len(train_loader.dataset)}, validation dataset: "
                     f"{len(val_loader.dataset) if val_loader else 'none (--no-run-validation)'}")
         describe_fsdp(model)
@@ -1254,14 +1313,17 @@ class EpochLog(Report):
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
                                else self.args.sharding_strategy))
 
-    @staticmethod
-    def bar(loader, desc, colour, leave, disable):
+    def bar(self, loader, desc, colour, leave, disable):
         """train's and validation's bar: tqdm's (live, coloured, cleared at the end) on a
-        terminal, as in the tutorial; one line per loop when stderr is a file or a pipe (a log)."""
-        PROGRESS["at"] = f" in {desc.removeprefix('r0 ')}"  # for the line of an interrupted run
+        terminal, as in the tutorial; one line per loop when stderr is a file or a pipe (a log).
+        Its batches come through LockStep: ranks that get out of step stop in one line."""
+        what = desc.removeprefix("r0 ")
+        PROGRESS["at"] = f" in {what}"  # for the line of an interrupted run
+        batches = self.lock_step.batches(loader, what.lower())
         if sys.stderr.isatty():
-            return tqdm(loader, desc=desc, colour=colour, leave=leave, disable=disable)
-        return FinalLine(loader, desc=desc, disable=disable)
+            return tqdm(batches, desc=desc, colour=colour, leave=leave, disable=disable,
+                        total=len(loader))
+        return FinalLine(batches, desc=desc, disable=disable, total=len(loader))
 
 
 class FinalLine(tqdm):
@@ -1275,8 +1337,8 @@ class FinalLine(tqdm):
         def flush(self):
             pass
 
-    def __init__(self, iterable, desc, disable):
-        super().__init__(iterable, desc=desc, disable=disable, file=self.Discard())
+    def __init__(self, iterable, desc, disable, total):
+        super().__init__(iterable, desc=desc, disable=disable, total=total, file=self.Discard())
 
     def close(self):
         if not self.disable:

@@ -17,6 +17,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only hf-load --out hf_load.md  # RssAnon while loading, 10 min
     python benchmarks/run.py --only hf-export          # RssAnon while FSDP2 exports, 2 and 4 ranks
     python benchmarks/run.py --only cpu-memory         # freed memory returned, or kept by glibc
+    python benchmarks/run.py --only lengths --repeats 2  # token batches, packed documents; 2 cores
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -60,6 +61,12 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   cores): each script as it runs by default (glibc keeps freed memory for reuse) and with
   --return-freed-memory (its mmap threshold fixed at 256 KiB), taking turns: each rank's peak
   RssAnon, and for T5 its rise above the level after loading, at t5-base's shape with LoRA too.
+- Variable lengths (lengths, world size 2, CPU, only when asked for): T5 at t5-base's shape, the
+  tutorial's lengths (512 + 150 tokens), each example padded to them (the default) against
+  --max-tokens as many tokens as the padded batch, on the fixture's articles and on articles
+  whose lengths follow WikiHow's published statistics (benchmarks/wikihow_lengths.py): samples/s.
+  fsdp2_transformer.py's documents packed (--pack-documents) against one per row
+  (--pad-documents): useful tokens/s, those of documents, not padding. The ways take turns.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -89,7 +96,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "lora-gpu",
-              "hf-load", "hf-export", "cpu-memory")
+              "hf-load", "hf-export", "cpu-memory", "lengths")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -132,6 +139,21 @@ T5_CONFIGS = [(1, "FULL_SHARD", "BACKWARD_PRE"), (1, "SHARD_GRAD_OP", "BACKWARD_
               (1, "NO_SHARD", "BACKWARD_PRE"), (1, "FULL_SHARD", "BACKWARD_POST"),
               (1, "FULL_SHARD", "NONE"), (2, "FULL_SHARD", "BACKWARD_PRE"),
               (2, "SHARD_GRAD_OP", "BACKWARD_PRE")]
+# lengths: T5 at t5-base's shape with the tutorial's lengths, 2 articles per rank a step (a padded
+# step takes about 40 s on a CPU core), one step an epoch; the second epoch's samples/s (the first
+# pays for warm-up). --max-tokens: as many tokens as the padded batch holds, so that no
+# micro-batch needs more memory than it.
+LENGTHS_T5 = ["--input-length", "512", "--output-length", "150", "--batch-size", "2",
+              "--num-train-samples", "4", "--epochs", "2", "--no-run-validation",
+              "--no-save-model", "--mixed-precision", "fp32", "--cpu"]
+LENGTHS_T5_WAYS = {"padded (the default)": [], "--max-tokens 1324": ["--max-tokens", "1324"]}
+LENGTHS_T5_DATA = ("the tests' fixture", "WikiHow's lengths")
+# fsdp2: a 21M-parameter model on rows of 256 tokens, 8 a step (a step of about 3 s on CPU).
+LENGTHS_FSDP2 = ["--dim", "512", "--n-layers", "4", "--n-heads", "8", "--vocab-size", "8000",
+                 "--seq-len", "256", "--batch-size", "8", "--steps", "6", "--log-every", "6",
+                 "--pack-documents", "--cpu"]
+LENGTHS_FSDP2_WAYS = {"one document per row (--pad-documents)": ["--pad-documents"],
+                      "packed (--pack-documents)": []}
 # lora: t5-base's shape (d_model 768, 12 + 12 layers, 12 heads of 64, d_ff 3072, 32 relative
 # attention buckets) with random weights and the tests' tokenizer (232 ids): 198,407,424
 # parameters, 0.79 GB in fp32, made offline by tests/tiny_wikihow.py's write_tiny_t5.
@@ -273,7 +295,10 @@ def log(message):
 
 
 def write_fixture(what, command):
-    """Run one of the tests' fixture generators; if it fails, say so and how to do without it."""
+    """Run one of the tests' fixture generators; if it fails, say so and how to do without it.
+    --dry-run: nothing (the commands name the folders it would write)."""
+    if args.dry_run:
+        return
     proc = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True)
     if proc.returncode != 0:
         log(f"error: could not write the {what} fixture ({' '.join(map(str, command))}):\n"
@@ -355,7 +380,10 @@ def figures_of(config, metrics, stdout):
                        later_pause_s=stalls[1] if len(stalls) > 1 else None)  # step 200's
     elif config["benchmark"] == "cpu-memory":  # RssAnon: from the sampling, added by the loop
         figures.update(train_loss=metrics["train_loss"], wall_s=metrics["wall_s"])
-    elif config["benchmark"] in ("lora", "lora-gpu"):  # the steady samples/s
+    elif config["benchmark"] == "lengths" and "fsdp2" in config["script"]:
+        figures.update(useful_tokens_per_s=metrics["useful_tokens_per_s"],
+                       tokens_per_s=metrics["tokens_per_s"], train_loss=metrics["train_loss"])
+    elif config["benchmark"] in ("lora", "lora-gpu", "lengths"):  # the steady samples/s
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = config["samples"] / figures["epoch_s"]
         figures["loaded_mib"] = max(metrics["peak_memory_after_loading_per_rank"]) / MIB
@@ -483,7 +511,7 @@ if ("mnist" in args.only or "cpu-memory" in args.only) and not mnist_dir:
     write_fixture("MNIST digits", [REPO / "tests" / "digits_mnist.py", mnist_dir])
     mnist_source = ("Data: the offline digits fixture of the tests, not MNIST "
                     "(tests/digits_mnist.py: scikit-learn's digits as 28x28 MNIST files, "
-                    f"{mnist_train_samples(mnist_dir)} training images)")
+                    f"{'?' if args.dry_run else mnist_train_samples(mnist_dir)} training images)")
 if ("t5" in args.only or "cpu-memory" in args.only) and not (wikihow_dir and t5_model):
     fixture_data, fixture_model = tmp / "wikihow", tmp / "tiny-t5"
     log(f"Writing the WikiHow and tiny T5 fixtures (tests/tiny_wikihow.py) to {tmp}")
@@ -500,7 +528,7 @@ if ("t5" in args.only or "cpu-memory" in args.only) and not (wikihow_dir and t5_
     # The datasets library caches each CSV it reads; keep the fixture's cache out of the user's.
     env["HF_DATASETS_CACHE"] = str(tmp / "hf_datasets_cache")
 
-if {"lora", "lora-gpu", "cpu-memory"} & set(args.only):
+if {"lora", "lora-gpu", "cpu-memory", "lengths"} & set(args.only):
     lora_model = args.lora_model  # a local folder made absolute: each run has its own folder
     if lora_model and os.path.exists(lora_model):
         lora_model = os.path.abspath(lora_model)
@@ -735,6 +763,26 @@ if "cpu-memory" in args.only:  # world size 2 on CPU; the rows take turns
                             "args": [*flags, *way_flags]})
 
 
+if "lengths" in args.only:  # world size 2 on CPU; the ways take turns
+    lengths_data = {LENGTHS_T5_DATA[0]: lora_data, LENGTHS_T5_DATA[1]: tmp / "wikihow-lengths"}
+    if not args.dry_run:
+        log(f"Writing WikiHow-like lengths (benchmarks/wikihow_lengths.py) to "
+            f"{lengths_data[LENGTHS_T5_DATA[1]]}")
+        write_fixture("WikiHow-like lengths", [REPO / "benchmarks" / "wikihow_lengths.py",
+                                               lengths_data[LENGTHS_T5_DATA[1]]])
+    for data, folder in lengths_data.items():
+        for way, flags in LENGTHS_T5_WAYS.items():
+            configs.append({"benchmark": "lengths", "device": "cpu", "world_size": 2,
+                            "name": f"T5, {data}, {way}", "row": f"T5, {data}", "way": way,
+                            "samples": 4, "script": "t5_fsdp_finetune.py",
+                            "args": ["--model-name", str(lora_model), "--data-dir", str(folder),
+                                     *LENGTHS_T5, *flags]})
+    for way, flags in LENGTHS_FSDP2_WAYS.items():
+        configs.append({"benchmark": "lengths", "device": "cpu", "world_size": 2,
+                        "name": f"fsdp2, {way}", "row": "fsdp2", "way": way,
+                        "script": "fsdp2_transformer.py", "args": [*LENGTHS_FSDP2, *flags]})
+
+
 def command_of(config, metrics_path):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
@@ -771,7 +819,7 @@ for config in configs:
 total = sum(config["repeats"] for config in configs)
 # The checkpoint and lora rows take turns (each configuration once, then again); the others run
 # in a row.
-TURNS = ("checkpoint", "lora", "lora-gpu", "cpu-memory")
+TURNS = ("checkpoint", "lora", "lora-gpu", "cpu-memory", "lengths")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
@@ -1298,6 +1346,33 @@ if "cpu-memory" in args.only:
             f"{runs_said}, the two ways taking turns. Wall s: the training's, from the "
             "metrics file.\n",
             markdown_table(headers, rows)]
+
+if "lengths" in args.only:
+    rows = []
+    for data in LENGTHS_T5_DATA:
+        padded, batched = (find("lengths", "cpu", row=f"T5, {data}", way=way)
+                           for way in LENGTHS_T5_WAYS)
+        rows.append([f"T5, {data}", "samples/s", fmt(median(padded, "samples_per_s"), ".3f"),
+                     fmt(median(batched, "samples_per_s"), ".3f"),
+                     fmt(ratio(median(batched, "samples_per_s"), median(padded, "samples_per_s")),
+                         ".2f")])
+    padded, packed = (find("lengths", "cpu", row="fsdp2", way=way) for way in LENGTHS_FSDP2_WAYS)
+    rows.append(["fsdp2_transformer.py, log-normal documents", "useful tokens/s",
+                 fmt(median(padded, "useful_tokens_per_s"), ",.0f"),
+                 fmt(median(packed, "useful_tokens_per_s"), ",.0f"),
+                 fmt(ratio(median(packed, "useful_tokens_per_s"),
+                           median(padded, "useful_tokens_per_s")), ".2f")])
+    out += ["\n### Variable lengths: padded against token batches and packed documents "
+            "(world size 2, CPU, gloo)\n",
+            f"T5: {lora_source.split(', WikiHow')[0].split(', data')[0]}; `{' '.join(LENGTHS_T5)}`"
+            "; data the tests' WikiHow-format fixture (articles of 1-3 sentences) and "
+            "benchmarks/wikihow_lengths.py's (log-normal lengths with WikiHow's published means: "
+            "articles of about 780 tokens, summaries of 78, 57% of articles longer than 512); "
+            f"padded: the tutorial's padding to 512 + 150; token batches: "
+            f"`{' '.join(LENGTHS_T5_WAYS['--max-tokens 1324'])}` (the padded batch's tokens). "
+            f"fsdp2: `{' '.join(LENGTHS_FSDP2)}`, documents one per row (`--pad-documents`) or "
+            f"packed; useful tokens: those in documents. {runs_said}, the ways taking turns.\n",
+            markdown_table(["run", "figure", "padded", "token batches / packed", "ratio"], rows)]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"

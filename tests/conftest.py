@@ -536,6 +536,18 @@ def t5_reference(cached_torchrun, tiny_t5_dir, wikihow_dir):
 LORA = ["--lora-rank", 8, "--lora-dropout", 0]
 
 
+def cached_t5_runs(cached_torchrun, args_of):
+    """run(ranks, *args): the cached run of t5_fsdp_finetune.py with args_of(ranks, *args) on
+    `ranks` ranks, which must succeed."""
+
+    def run(ranks, *args):
+        result = cached_torchrun("t5_fsdp_finetune.py", *args_of(ranks, *args), nproc=ranks)
+        assert result.returncode == 0, result.output
+        return result
+
+    return run
+
+
 def lora_args(still_t5_dir, wikihow_dir, ranks, *args):
     return [*t5_args(still_t5_dir, wikihow_dir, 2), "--lr", 0.002, "--batch-size", 8 // ranks,
             *LORA, *args]

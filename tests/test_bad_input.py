@@ -99,6 +99,8 @@ CASES = [  # id, script, args, what the error line must say
     ("T5 FSDP1 without the full state dict", "t5_fsdp_finetune.py", ["--no-full-state-dict"],
      ["--no-full-state-dict", "FSDP1 writes its HF files from the full state dict",
       "--fsdp-version 2"]),
+    ("T5 max tokens below one example", "t5_fsdp_finetune.py", ["--max-tokens", 87],
+     ["--max-tokens 87", "--input-length + --output-length (88)", "at least 88"]),
     # Silent wrong results before: divergence, edited metadata, shared folders, mixed runs.
     ("MNIST diverging", "fsdp1_mnist.py", ["--lr", "1e30"],
      ["training diverged", "a gradient of optimizer step", "not finite", "--lr"]),
@@ -208,7 +210,8 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "T5 directory without a model", "T5 BERT config",
                    "T5 LoRA targets that name no module", "T5 base dtype without LoRA",
                    "T5 LoRA resume with another rank",
-                   "T5 full fine-tuning checkpoint resumed with LoRA"}
+                   "T5 full fine-tuning checkpoint resumed with LoRA",
+                   "T5 max tokens below one example"}
 # FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn
 PYTHON_LAUNCHED |= {name for name, *_ in CASES
                     if name.startswith("T5 FSDP2 --") and "NO_SHARD" not in name}

@@ -156,17 +156,38 @@ def test_memory_picture_is_drawn(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def test_cpu_memory_benchmark_runs_what_it_says():
-    """--only cpu-memory --dry-run: each of its six rows twice on 2 CPU ranks, once as the script
-    runs by default and once with --return-freed-memory, the LoRA rows at t5-base's shape."""
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "cpu-memory",
+def dry_run_on_two_cpu_ranks(benchmark):
+    """The commands of --only BENCHMARK --dry-run, each asserted to run 2 ranks on the CPU."""
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", benchmark,
                            "--dry-run"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs = [line for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
-    assert len(runs) == 12 and all("--nproc_per_node 2" in run and "--cpu" in run.split()
-                                   for run in runs)
+    assert all("--nproc_per_node 2" in run and "--cpu" in run.split() for run in runs), runs
+    return runs
+
+
+def test_cpu_memory_benchmark_runs_what_it_says():
+    """--only cpu-memory --dry-run: each of its six rows twice on 2 CPU ranks, once as the script
+    runs by default and once with --return-freed-memory, the LoRA rows at t5-base's shape."""
+    runs = dry_run_on_two_cpu_ranks("cpu-memory")
+    assert len(runs) == 12
     returned = [run for run in runs if "--return-freed-memory" in run]
     assert [run.replace(" --return-freed-memory", "") for run in returned] == [
         run for run in runs if run not in returned]
     lora = [run for run in returned if "--lora-rank 16" in run]
     assert len(lora) == 2 and all("t5-base-shape" in run for run in lora)
+
+
+def test_lengths_benchmark_runs_what_it_says():
+    """--only lengths --dry-run: T5 at t5-base's shape with the tutorial's lengths, padded and with
+    --max-tokens, on the fixture and on WikiHow-like lengths (two data folders); fsdp2 with its
+    documents one per row and packed. Each pair differs in its way's flag alone."""
+    runs = dry_run_on_two_cpu_ranks("lengths")
+    assert len(runs) == 6
+    t5 = [run for run in runs if "t5_fsdp_finetune.py" in run]
+    assert len(t5) == 4 and all("t5-base-shape" in run and "--input-length 512" in run
+                                for run in t5)
+    assert [run.replace(" --max-tokens 1324", "") for run in t5[1::2]] == t5[0::2]
+    assert len({run.split("--data-dir ")[1].split()[0] for run in t5}) == 2
+    padded, packed = (run for run in runs if "fsdp2_transformer.py" in run)
+    assert padded.replace(" --pad-documents", "") == packed and "--pack-documents" in packed

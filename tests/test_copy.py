@@ -96,6 +96,12 @@ tp_model, tp_optimizer = build(tp_mesh, tensor_parallel_plan())
 tp_loss, tp_norm = train_step(tp_model, tp_optimizer, rank_batch(task_rules(64, 0), 8, 16, 0, 0,
                                                                  1, 1))
 assert torch.allclose(tp_loss, loss, rtol=1e-5) and torch.allclose(tp_norm, grad_norm, rtol=1e-5)
+# Packed documents (--pack-documents' rows): in both layouts, the same loss and norm again.
+loss, grad_norm = train_step(model, optimizer, rank_batch(task_rules(64, 0), 8, 16, 0, rank, 2, 2,
+                                                          task=packed_batch))
+tp_loss, tp_norm = train_step(tp_model, tp_optimizer, rank_batch(task_rules(64, 0), 8, 16, 0, 0,
+                                                                 1, 2, task=packed_batch))
+assert torch.allclose(tp_loss, loss, rtol=1e-5) and torch.allclose(tp_norm, grad_norm, rtol=1e-5)
 for name, make in [("full", lambda folder: Checkpointer(folder, config)),
                    ("full, DCP API", lambda folder: Checkpointer(folder, config, dcp_api=True)),
                    ("sharded", lambda folder: Checkpointer(folder, config, "sharded")),
@@ -113,18 +119,20 @@ for name, make in [("full", lambda folder: Checkpointer(folder, config)),
         for p, q in zip(saved.parameters(), fresh.parameters()):
             state, loaded = saved_optimizer.state[p], fresh_optimizer.state[q]
             assert state.keys() == loaded.keys() and all(same(state[k], loaded[k]) for k in state)
-rank0_print("copied units: step, tensor parallel step and round trips across layouts ok")
+rank0_print("copied units: step, tensor parallel and packed steps and round trips across "
+            "layouts ok")
 """)
 
 
 FSDP2_UNITS = ["Transformer", "tensor_parallel_plan", "shard_model", "train_step", "Checkpointer",
-               "AsyncCheckpointer", "rank_batch", "task_rules"]
+               "AsyncCheckpointer", "rank_batch", "task_rules", "packed_batch"]
 
 
 def test_fsdp2_units_run_copied_alone():
-    """The sharding, the tensor parallel plan, the step and the checkpointers, copied alone: a
-    tensor parallel step has FSDP's loss and gradient norm, and a checkpoint saved by either
-    layout loads into the other bit for bit, in every format."""
+    """The sharding, the tensor parallel plan, the step, the packed documents and the
+    checkpointers, copied alone: a tensor parallel step has FSDP's loss and gradient norm, on the
+    guide's rows and on packed documents, and a checkpoint saved by either layout loads into the
+    other bit for bit, in every format."""
     run = copy_run("fsdp2")
     assert run.returncode == 0 and "round trips across layouts ok" in run.stdout, run.output
 
@@ -220,6 +228,10 @@ scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
 loss = train(model, loader, optimizer, None, epoch=1, device=device)
 val_loss = validation(model, val_loader, device)
 assert loss == loss and val_loss == val_loss
+# micro_batches: at most 100 tokens each (the ranks get different numbers of them), the same loss
+assert abs(validation(model, val_loader, device, max_tokens=100) - val_loss) < 1e-6 * val_loss
+loss = train(model, loader, optimizer, None, epoch=2, device=device, max_tokens=100)
+assert loss == loss
 scheduler.step()
 if version == 1:  # cpu_offload=False, as the script passes on CPU (torch 2.11 breaks there)
     export_model(model, tokenizer, out + "/best", cpu_offload=False)
@@ -261,7 +273,8 @@ assert all(torch.equal(again[key], value) for key, value in full.items())
 rank0_print("copied units: train, validation, export (same logits) and round trip ok")
 """)
 T5_UNITS = ["load_model_and_tokenizer", "add_lora", "load_data", "rank_loader", "device_mesh",
-            "train", "validation", "save_sharded_checkpoint", "load_sharded_checkpoint"]
+            "micro_batches", "train", "validation", "save_sharded_checkpoint",
+            "load_sharded_checkpoint"]
 
 
 T5_MODELS = [(1, "tied, weights from rank 0, LoRA"), (2, "tied, weights from rank 0"),

@@ -344,7 +344,8 @@ def test_help_explains_every_flag(help_text):
              "--grad-accum-steps", "--dcp-api", "--checkpoint-dir", "--save-every", "--no-resume",
              "--log-every", "--world-size", "--dist-timeout", "--metrics-json",
              "--checkpoint-format", "--async-checkpoint", "--replicate-degree",
-             "--activation-checkpointing", "--compile", "--tp-degree"]
+             "--activation-checkpointing", "--compile", "--tp-degree", "--pack-documents",
+             "--pad-documents"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f"{f} " not in text and f"{f}," not in text] == []
     assert "(default: 200)" in text and "(default: 1.0)" in text

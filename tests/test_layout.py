@@ -45,7 +45,11 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # Issue 48 (the plumbing moved to safe_launch.py) raised none: each lesson now holds rank0_print
 # (6 lines, its one helper, which used to be in the Plumbing); T5's main took its step 5 apart
 # into the lesson's Checkpointer, and the lesson stayed at 611.
-BUDGETS = {"fsdp2_transformer.py": 570, "t5_fsdp_finetune.py": 611, "fsdp1_mnist.py": 250,
+# fsdp2's packed documents (--pack-documents, issue 49 item 2; 49 lines, 566 -> 615, within its
+# allowance of 50): packed_batch (28), the positions, the document mask and the note on
+# flex_attention in the model (5), the loss over real tokens in train_step (9), the task chosen in
+# main (3), --pack-documents and --pad-documents (4).
+BUDGETS = {"fsdp2_transformer.py": 615, "t5_fsdp_finetune.py": 659, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
@@ -418,16 +422,19 @@ def test_the_lock_meets_the_floors():
 
 
 def test_the_readme_sections_the_code_cites_exist():
-    """A message or docstring that sends the reader to a README section ("README.md, 'Data'") names
-    a heading the README has (an error pointed to "Getting the data", which it had not)."""
-    headings = {line.lstrip("#").strip() for line in (REPO / "README.md").read_text().splitlines()
-                if line.startswith("#")}
+    """A message or docstring that sends the reader to a README section ("README.md, 'Data'",
+    "benchmarks/README.md, 'Lock-step check'") names a heading that README has (an error pointed
+    to "Getting the data", which it had not); a citation may run over two lines."""
+    headings = {readme: {line.lstrip("#").strip() for line in (REPO / readme).read_text()
+                         .splitlines() if line.startswith("#")}
+                for readme in ("README.md", "benchmarks/README.md")}
     cited = {}
     for path in [*REPO.glob("*.py"), *REPO.glob("benchmarks/*.py")]:
-        for section in re.findall(r"README\.md, [\"']([^\"']+)[\"']", path.read_text()):
-            cited.setdefault(section, []).append(path.name)
+        for readme, section in re.findall(r"((?:benchmarks/)?README\.md), [\"']([^\"']+)[\"']",
+                                          " ".join(path.read_text().split())):
+            cited.setdefault((readme, section), []).append(path.name)
     assert cited, "no citation found: the pattern no longer matches how the code cites"
-    assert {s: files for s, files in cited.items() if s not in headings} == {}
+    assert {s: files for s, files in cited.items() if s[1] not in headings[s[0]]} == {}
 
 
 @pytest.mark.parametrize("script", LESSONS)

@@ -15,6 +15,7 @@ from conftest import (
     T5_INPUT_LENGTH,
     T5_OUTPUT_LENGTH,
     T5_VAL_SAMPLES,
+    cached_t5_runs,
     full_state_of,
     lora_args,
     plan_of,
@@ -28,14 +29,8 @@ BASE = "base_model.model."  # the prefix of the base model's names in a PeftMode
 @pytest.fixture
 def lora_run(cached_torchrun, still_t5_dir, wikihow_dir):
     """lora_run(ranks, *args): a cached LoRA run on `ranks` ranks (FSDP1 unless args say 2)."""
-
-    def run(ranks, *args):
-        result = cached_torchrun(SCRIPT, *lora_args(still_t5_dir, wikihow_dir, ranks, *args),
-                                 nproc=ranks)
-        assert result.returncode == 0, result.output
-        return result
-
-    return run
+    return cached_t5_runs(cached_torchrun,
+                          lambda ranks, *args: lora_args(still_t5_dir, wikihow_dir, ranks, *args))
 
 
 # The runs besides the reference (FSDP2, 2 ranks, fp32 base, sharded checkpoints and exports):

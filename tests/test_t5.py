@@ -543,7 +543,7 @@ def test_help_explains_every_flag(help_text):
              "--no-track-memory", "--run-validation", "--no-run-validation", "--save-model",
              "--no-save-model", "--checkpoint-type", "--resume", "--save-dir", "--overwrite",
              "--cpu", "--no-cuda", "--world-size", "--dist-timeout", "--metrics-json",
-             "--cpu-ram-efficient-loading", "--fsdp-version"]
+             "--cpu-ram-efficient-loading", "--fsdp-version", "--max-tokens"]
     text = help_text(SCRIPT)
     assert [f for f in flags if f not in text] == []
     assert ("(default: t5-base)" in text and "(default: 1500)" in text
