@@ -20,6 +20,7 @@ every world size. Below the lesson: Safeguards, which main applies around it, th
 Copy it with safe_launch.py (launching, one-line errors: what the four scripts share).
 """
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -293,6 +295,42 @@ def train_step(model, optimizer, tokens, grad_accum_steps=1, max_norm=1.0):
     return loss_sum, grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
 
 
+# ------------------------------------------------------------------------------- fault tolerance
+def fault_tolerant(model, optimizer, device, replica_group, store, timeout_s):
+    """torchft (--fault-tolerance): this replica group's Manager joins the live groups' quorum at
+    every step (the Lighthouse at $TORCHFT_LIGHTHOUSE), averages each gradient shard across them
+    after FSDP2's reduce-scatter (HSDP's all-reduce, over the groups alive), commits a step where
+    every all-reduce succeeded, and sends a group that (re)joins a live one's state and step.
+    Returns it and torchft's optimizer, whose step() steps only a committed step."""
+    import torchft  # only with --fault-tolerance: an optional requirement
+
+    def load_state_dict(state):  # a live group's shards, received by the one that heals
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupNCCL() if device.type == "cuda" else torchft.ProcessGroupGloo(),
+        load_state_dict=load_state_dict, state_dict=lambda: sharded_state(model, optimizer),
+        min_replica_size=1, replica_id=f"group_{replica_group}", store_addr=store[0],
+        store_port=store[1], timeout=datetime.timedelta(seconds=timeout_s),
+        quorum_timeout=datetime.timedelta(seconds=2 * timeout_s),  # (others may be in a timeout)
+        init_sync=False,  # every group initializes the model from the same seed
+        # The quorum and a heal before the step: FSDP2 swaps parameters in forward and backward,
+        # which a state dict read from torchft's thread meanwhile would meet half done.
+        use_async_quorum=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(lambda grad: manager.allreduce(grad).wait())
+    return manager, torchft.Optimizer(manager, optimizer)
+
+
+def manager_steps(manager, last):
+    """The steps of a fault-tolerant loop, by the manager's count of committed steps, up to last:
+    a step that does not commit runs again; a group that heals goes on at the live groups' step."""
+    while manager.current_step() < last:
+        yield manager.current_step() + 1
+
+
 # ------------------------------------------------------------------------------------ checkpoint
 MARKER = "COMPLETE"  # written last into a checkpoint's folder: the checkpoint is complete
 
@@ -519,28 +557,50 @@ def main(args, device):
     if checkpointer and not args.no_resume:
         start_step = checkpointer.load(model, optimizer)  # (the newest complete one, or none)
 
-    # 5. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
+    # 5. Fault tolerance (--fault-tolerance): a replica group of a torchft job; train_step steps
+    #    torchft's optimizer, which steps this one where the step commits.
+    manager, step_optimizer = None, optimizer
+    if args.fault_tolerance:
+        groups = ReplicaGroups(args.replica_groups, args.replica_group, args.dist_timeout)
+        manager, step_optimizer = fault_tolerant(
+            model, optimizer, device=device, replica_group=args.replica_group,
+            store=groups.store(), timeout_s=args.dist_timeout)
+        manager.load_state_dict({"step": start_step, "batches_committed": 0})
+        step_optimizer = groups.started(step_optimizer)  # all in the first quorum, one-line errors
+
+    # 6. The data: on a GPU a worker process builds the next batches, in pinned memory, while a
     #    step runs (the copy, non_blocking, too); on CPU the step needs the cores: built here.
+    #    Fault tolerant: the manager says which step is next, so each batch is built when due;
+    #    replica group g reads the rows of HSDP's replica g.
     steps = range(start_step + 1, args.steps + 1)
     task = (functools.partial(packed_batch, one_per_row=args.pad_documents)
             if args.pack_documents else global_batch)  # documents packed into rows, or not
+    row_rank, row_ranks = ((args.replica_group * dp + rank // tp, args.replica_groups * dp)
+                           if manager else (rank // tp, dp))
     make_batch = functools.partial(rank_batch, task_rules(args.vocab_size, args.seed),
-                                   args.batch_size, args.seq_len, args.seed, rank // tp, dp,
+                                   args.batch_size, args.seq_len, args.seed, row_rank, row_ranks,
                                    task=task)
-    loader = DataLoader(steps, batch_size=None, collate_fn=make_batch, num_workers=int(cuda),
-                        pin_memory=cuda)
+    batches = zip(steps, DataLoader(steps, batch_size=None, collate_fn=make_batch,
+                                    num_workers=int(cuda), pin_memory=cuda))
+    if manager:
+        batches = ((step, make_batch(step)) for step in manager_steps(manager, args.steps))
 
-    # 6. Train; every --save-every steps and at the last, save.
+    # 7. Train; every --save-every steps and at the last, save.
     log = StepLog(Report(args, device), model, steps=steps, log_every=args.log_every,
                   tokens_per_step=args.batch_size * args.seq_len, bf16=args.mixed_precision,
                   warmup=1 + args.compile)
     in_step = LockStep(args.dist_timeout)  # ranks out of step fail in one line, not hang
-    for step, tokens in in_step.batches(zip(steps, loader), "training", first=steps.start):
+    for step, tokens in in_step.batches(batches, "training", first=steps.start):
         if args.explicit_prefetching:
             model.unshard()  # start the root's all-gather before the step needs it
-        loss, grad_norm = train_step(model, optimizer, tokens.to(device, non_blocking=True),
+        loss, grad_norm = train_step(model, step_optimizer, tokens.to(device, non_blocking=True),
                                      grad_accum_steps=args.grad_accum_steps,
                                      max_norm=args.max_norm)
+        if manager and manager.current_step() < step:
+            continue  # not committed (a group failed during it): the step runs again
+        if manager:
+            groups.step(step, manager)  # fewer groups than the job's, a heal: one line each
+            step = manager.current_step()  # (where this group healed: the live groups' step)
         save_now = checkpointer is not None and (step % args.save_every == 0
                                                  or step == args.steps)
         log.step(step, loss, grad_norm, tokens, check_now=save_now)  # reads the previous step's
@@ -607,6 +667,7 @@ def parse_args(argv=None):
         "background by a writer process per rank (dcp.async_save, --checkpoint.async_mode async), "
         "from a copy to shared host memory made while the next step runs")
     add_fresh_start_flags(add)  # --no-resume, --overwrite (safeguards of --checkpoint-dir)
+    add_fault_tolerance_flags(parser)  # --fault-tolerance, --replica-group(s), ... (torchft)
     add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (safe_launch)
     add("--log-every", type=positive(int), default=10, metavar="N", help="print every N steps")
     add_plan_flags(parser, PLAN_HELP)  # --plan: will it fit? (the planner, below the safeguards)
@@ -622,18 +683,22 @@ def parse_args(argv=None):
 # The imports of the safeguards and of the plumbing (the lesson's own are at the top).
 import fnmatch
 import glob
+import http.server
 import logging
 import multiprocessing.connection
 import multiprocessing.resource_tracker
+import re
 import signal
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from concurrent.futures import Future
 
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.fsdp import FSDPModule
 
 from safe_launch import (
     PLAN_RANKS,
@@ -734,8 +799,8 @@ def check_flags(args, device, world_size):
              "tested in this script (its GPU tests use one GPU); drop --cpu-offload (tensor "
              "parallel divides each rank's state by T too), or --tp-degree.")
     problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if problem:
-        fail(problem)
+    if problem or check_fault_tolerance(args, world_size):
+        fail(problem or check_fault_tolerance(args, world_size))
     if args.pad_documents and not args.pack_documents:
         fail("--pad-documents puts one document of --pack-documents' task in each row; add "
              "--pack-documents")
@@ -895,6 +960,283 @@ def add_fresh_start_flags(add):
         "no checkpoint (or with --overwrite)")
     add("--overwrite", action="store_true", help="with --no-resume, delete the checkpoints "
         "already in --checkpoint-dir")
+
+
+# ----------------------------------------------------------------------- fault tolerance (torchft)
+TORCHFT = "torchft==0.2.0"  # the version tests/test_fault_tolerance.py passes with
+
+
+def add_fault_tolerance_flags(parser):
+    add = parser.add_argument_group("fault tolerance (torchft: an optional requirement, "
+                                    f"pip install {TORCHFT})").add_argument
+    add("--fault-tolerance", action="store_true", help="replica groups that fail and come back "
+        "while the others train on (torchft, --fault_tolerance.enable): each group is its own job, "
+        "sharding over its ranks; the groups average gradients like HSDP's replicas. Started with "
+        "python: a Lighthouse and --replica-groups torchrun jobs of --world-size ranks each; "
+        "under torchrun or srun: one group, with --replica-group and $TORCHFT_LIGHTHOUSE")
+    add("--replica-groups", type=positive(int), default=2, metavar="G", help="groups in the job: "
+        "group g reads the rows of HSDP's replica g (--fault_tolerance.group_size)")
+    add("--replica-group", type=positive(int, zero=True), metavar="I", help="this group, 0 to "
+        "G - 1, under torchrun or srun (--fault_tolerance.replica_id)")
+    add("--min-replicas", type=positive(int), default=1, metavar="N", help="started with python: "
+        "the Lighthouse's quorum needs N live groups (1: train on while any lives)")
+    add("--group-restarts", type=positive(int, zero=True), default=3, metavar="N", help="started "
+        "with python: torchrun restarts a failed group up to N times (--max-restarts)")
+    add("--heartbeat-timeout-ms", type=positive(int), default=1000, metavar="MS", help="started "
+        "with python: the Lighthouse drops a group that sent no heartbeat for MS (its default "
+        "5000)")
+
+
+def import_torchft():
+    """torchft, quiet (quiet_torchft), or one line saying how to install it."""
+    os.environ.setdefault("RUST_LOG", "warn")  # before its import: its servers' INFO lines
+    try:
+        import torchft
+        import torchft.coordination
+    except ImportError as e:
+        fail(f"--fault-tolerance needs torchft ({e}): pip install {TORCHFT}")
+    quiet_torchft()
+    return torchft
+
+
+def quiet_torchft():
+    """Workarounds for what torchft 0.2.0 prints in a run that goes well; remove each when a run
+    of tests/test_fault_tolerance.py prints it no more without it.
+    - Its Lighthouse and managers (Rust) log a line per quorum, request and commit at INFO:
+      RUST_LOG=warn (import_torchft, before the import; a user's RUST_LOG is kept).
+    - Each reconfiguration of its process groups calls _set_sequence_number_for_group, which
+      torch 2.14 made a no-op that warns "setSequenceNumberForGroup() is deprecated" each time.
+    - The HTTP server that sends a healing group its state logs each request to stderr.
+    - The group that heals reads the shards from a read-only buffer: torch warns once "The given
+      buffer is not writable" (it copies them into the model: nothing writes to that buffer).
+    And one that breaks healing: its HTTP transport fetches a live group's state with urllib,
+    which goes through $http_proxy where one is set (clusters often do): the proxy refuses, or
+    stores, a transfer between the job's own hosts. This script makes no other HTTP request: no
+    proxy for any."""
+    os.environ["no_proxy"] = os.environ["NO_PROXY"] = "*"
+    for backend in (getattr(dist, name, None) for name in ("ProcessGroupGloo", "ProcessGroupNCCL")):
+        if backend is not None:
+            backend._set_sequence_number_for_group = lambda self: None
+    http.server.BaseHTTPRequestHandler.log_message = lambda self, *args: None
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def check_fault_tolerance(args, world_size):
+    """Why these flags cannot run fault tolerant here, or None (check_flags)."""
+    if not args.fault_tolerance:
+        unused = [f for f, given in (("--replica-group", args.replica_group is not None),)
+                  if given]
+        return unused and f"{unused[0]} names a replica group of --fault-tolerance; add it"
+    import_torchft()
+    logging.getLogger("torchft.manager").addFilter(OneLinePerEvent(args.replica_group))
+    for flag, given in (("--replicate-degree", args.replicate_degree > 1),
+                        ("--tp-degree", args.tp_degree > 1),
+                        ("--pack-documents", args.pack_documents)):
+        if given:
+            return (f"{flag} with --fault-tolerance is not supported here (each replica group "
+                    "shards over its ranks with FSDP2 only, rows of equal weight); drop one")
+    if args.replica_group is None:
+        return ("--fault-tolerance under torchrun or srun runs one replica group: say which with "
+                f"--replica-group 0 to {args.replica_groups - 1} (started with python, it starts "
+                "them all)")
+    if args.replica_group >= args.replica_groups:
+        return (f"--replica-group {args.replica_group} is not one of --replica-groups "
+                f"{args.replica_groups} (0 to {args.replica_groups - 1})")
+    if "TORCHFT_LIGHTHOUSE" not in os.environ:
+        return ("--fault-tolerance under torchrun or srun joins a Lighthouse: start one "
+                "(torchft_lighthouse --min_replicas 1) and set "
+                "TORCHFT_LIGHTHOUSE=http://HOST:29510")
+    if args.batch_size % (args.replica_groups * world_size):
+        return (f"--batch-size {args.batch_size} does not split into --replica-groups "
+                f"{args.replica_groups} x {world_size} ranks; use a multiple of "
+                f"{args.replica_groups * world_size}")
+    return None
+
+
+class ReplicaGroups:
+    """--fault-tolerance's safeguards around the lesson's fault_tolerant(), for this replica group
+    (group of groups): a store of its own, a first quorum that holds every group, a lost
+    Lighthouse in one line, and a line where steps train on fewer groups or this group healed."""
+
+    def __init__(self, groups, group, timeout_s):
+        self.groups, self.group, self.timeout_s = groups, group, timeout_s
+        self.short_since = None  # the first step trained on fewer groups, while it lasts
+
+    def store(self):
+        """The (host, port) of a TCPStore for this group's torchft Manager, served by its rank 0
+        for this attempt. Workaround: the Manager (torchft 0.2.0) publishes its server's address
+        under a fixed key of the store it is given; torchrun's store outlives a --max-restarts
+        restart, so the other ranks of a restarted group could read the dead server's address.
+        Remove when the Manager takes a store prefix."""
+        where = [None, None]
+        if dist.get_rank() == 0:
+            GROUP_STORE.append(dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False))
+            where = [socket.gethostname(), GROUP_STORE[0].port]
+        dist.broadcast_object_list(where)
+        return where
+
+    def started(self, optimizer):
+        """Started with python, wait until every group's manager is up (launch_replica_groups'
+        store), so that the first quorum holds them all: one that joins later heals into the run,
+        but the steps before trained on fewer rows. Only rank 0's Manager asks the Lighthouse:
+        only it waits. Under torchrun and srun the groups start when the scheduler starts them.
+        Returns optimizer (torchft's), whose zero_grad ends in one line where no quorum comes."""
+        address = os.environ.get("FT_START_STORE")
+        if (address is not None and dist.get_rank() == 0
+                and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False,
+                                  timeout=datetime.timedelta(seconds=self.timeout_s))
+            if store.add("groups_started", 1) == self.groups:
+                store.set("all_started", "yes")
+            try:
+                store.wait(["all_started"])
+            except dist.DistStoreError:
+                fail(f"replica group {self.group}: the other groups did not start within "
+                     f"--dist-timeout {self.timeout_s:g}s; see their lines")
+        zero_grad = optimizer.zero_grad
+
+        def zero_grad_or_one_line(set_to_none=True):  # where torchft's step asks for a quorum
+            try:
+                zero_grad(set_to_none)
+            except (TimeoutError, RuntimeError) as e:
+                reason = " ".join(str(e).split())[:160]
+                fail(f"replica group {self.group}: no quorum from the Lighthouse at "
+                     f"{os.environ['TORCHFT_LIGHTHOUSE']} within 2 x --dist-timeout "
+                     f"{self.timeout_s:g}s ({reason}): it stopped or cannot be reached. Restart "
+                     "it and the groups: they resume from their newest checkpoint in "
+                     "--checkpoint-dir")
+
+        optimizer.zero_grad = zero_grad_or_one_line
+        return optimizer
+
+    def step(self, step, manager):
+        """After a committed step: a line where steps begin to train on fewer replica groups than
+        the job has (torchft skips the rows of a group not in the quorum: the global batch
+        shrinks), where all are back, and where this group healed (received a live one's state)."""
+        live, now = manager.num_participants(), manager.current_step()
+        if now > step:
+            rank0_print(f"step {now}: healed: received the model and optimizer state of step "
+                        f"{now - 1} from a live replica group, and trained on")
+        if live < self.groups and self.short_since is None:
+            self.short_since = now
+            rank0_print(f"step {now}: {live} of {self.groups} replica groups train: the rows of "
+                        "the others are skipped until they are back (a global batch of "
+                        f"{live}/{self.groups} of --batch-size)")
+        elif live == self.groups and self.short_since is not None:
+            rank0_print(f"step {now}: all {self.groups} replica groups train again (steps "
+                        f"{self.short_since}-{now - 1} skipped the rows of those missing)")
+            self.short_since = None
+
+
+GROUP_STORE = []  # rank 0's TCPStore server: alive as long as the process
+
+
+class OneLinePerEvent(logging.Filter):
+    """torchft's failures as one line each, of rank 0 of the group that sees them, without
+    torchft's traceback: what failed, in which step, the first line of the reason, and what
+    happens now. Workaround: torchft 0.2.0 logs each caught failure with its traceback at ERROR
+    (the step is then retried, which is what a user needs to know). Remove when it logs one line."""
+
+    EVENTS = {"waiting for work": "an all-reduce across replica groups failed",
+              "in all reduce": "an all-reduce across replica groups failed",
+              "in recovery": "receiving a live group's state failed",
+              "in pg configure": "joining the replica groups' process group failed"}
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def filter(self, record):
+        message = record.getMessage()
+        event = next((e for key, e in self.EVENTS.items() if key in message), None)
+        if event and dist.get_rank() == 0:
+            step = re.search(r" - step (\d+)\]", message)
+            reason = record.exc_info[1] if record.exc_info else message.split(": ", 1)[-1]
+            reason = " ".join(str(reason).split())[:160]
+            print(f"replica group {self.group}: step {int(step[1]) + 1 if step else '?'} not "
+                  f"committed: {event} ({reason}); it runs again with the groups alive",
+                  file=sys.stderr, flush=True)
+        return event is None and record.levelno >= logging.WARNING  # its INFO lines: none
+
+
+def relay(pipe, out, prefix):
+    """Each line of a replica group's output, with the group's name in front (launch_replica_groups:
+    each group's rank 0 prints the group's lines)."""
+    for line in iter(pipe.readline, b""):
+        out.write(prefix + line.decode(errors="replace"))
+        out.flush()
+
+
+def launch_replica_groups(argv, *, groups, world_size, cpu, min_replicas, restarts,
+                          heartbeat_timeout_ms, grace_s, steps, checkpoint_dir, metrics_json):
+    """--fault-tolerance started with python (argv: its flags): a Lighthouse in this process and a
+    torchrun job per replica group of world_size ranks (each GPU in one group), which restarts the
+    group up to `restarts` times when one of its ranks fails; group g saves into
+    checkpoint_dir/group_g and writes its metrics to metrics_json's name + .group<g>. Ends when
+    every group has: the status of the first that failed for good, else 0."""
+    torchft = import_torchft()
+    gpus = torch.cuda.device_count() if not cpu else 0
+    per_group = world_size or max(gpus // groups, 1)
+    if gpus and per_group * groups > gpus:
+        fail(f"--replica-groups {groups} x --world-size {per_group} asks for more GPUs than the "
+             f"{gpus} present")
+    lighthouse = torchft.coordination.LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+        heartbeat_timeout_ms=heartbeat_timeout_ms)
+    rank0_print(f"Lighthouse at {lighthouse.address()}: {groups} replica groups of {per_group} "
+                f"rank(s), each restarting itself up to {restarts} times")
+    start = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    jobs, relays = [], []
+    for group in range(groups):
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(),
+                   FT_START_STORE=f"127.0.0.1:{start.port}")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(group * per_group + i) for i in range(per_group))
+        own = ["--replica-group", str(group)]  # (the last of a repeated flag counts)
+        if checkpoint_dir:  # each group's own checkpoints and metrics
+            own += ["--checkpoint-dir", os.path.join(checkpoint_dir, f"group_{group}")]
+        if metrics_json:
+            root, ext = os.path.splitext(metrics_json)
+            own += ["--metrics-json", f"{root}.group{group}{ext}"]
+        jobs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={per_group}", f"--max-restarts={restarts}",
+             os.path.abspath(__file__), *argv, *own],
+            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        for pipe, out in ((jobs[-1].stdout, sys.stdout), (jobs[-1].stderr, sys.stderr)):
+            relays.append(threading.Thread(target=relay, args=(pipe, out, f"[group {group}] ")))
+            relays[-1].start()
+
+    def pass_on(signum, frame):  # Ctrl-C or a kill of this process: torchrun stops its workers
+        for process in jobs:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, pass_on)
+    # Done when every group has ended, or one has trained to --steps and the others did not follow
+    # within --dist-timeout (their last steps): a group still restarting then would only train the
+    # same steps again, alone.
+    finished_at = None
+    while any(process.poll() is None for process in jobs):
+        finished = [g for g, process in enumerate(jobs) if process.poll() == 0]
+        if finished and finished_at is None:
+            finished_at = time.monotonic()
+        late = finished and time.monotonic() - finished_at > grace_s
+        for group, process in enumerate(jobs if late else []):
+            if process.poll() is None:
+                rank0_print(f"replica group {group} stopped: group {finished[0]} has trained to "
+                            f"step {steps}")
+                os.killpg(process.pid, signal.SIGKILL)  # its torchrun and workers
+                process.wait()
+        time.sleep(0.2)
+    codes = [process.poll() if process.poll() != -signal.SIGKILL else 0 for process in jobs]
+    for thread in relays:
+        thread.join()
+    lighthouse.shutdown()
+    sys.exit(next((code for code in codes if code), 0))
 
 
 # What --metrics-json says of the checkpoints when none is saved: CheckedCheckpointer.figures()
@@ -1613,8 +1955,16 @@ def ways_to_fit(model, world_size, replicate, device_gib, options):
 def run(argv=None):
     """Parse the flags and run main on every rank: the commands of the docstring, srun, or a Ray
     Train worker (README.md, 'On a cluster')."""
-    launch(parse_args(argv), Script(main=main, check_flags=check_flags, resume_hint=resume_hint,
-                                    memory_advice=MEMORY_ADVICE))
+    args = parse_args(argv)
+    if args.fault_tolerance and not {"RANK", "SLURM_STEP_NUM_TASKS"} & set(os.environ):
+        launch_replica_groups(  # started with python: the Lighthouse and every group
+            sys.argv[1:] if argv is None else argv, groups=args.replica_groups,
+            world_size=args.world_size, cpu=args.cpu, min_replicas=args.min_replicas,
+            restarts=args.group_restarts, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            grace_s=args.dist_timeout, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
+            metrics_json=args.metrics_json)
+    launch(args, Script(main=main, check_flags=check_flags, resume_hint=resume_hint,
+                        memory_advice=MEMORY_ADVICE))
 
 
 if __name__ == "__main__":
