@@ -799,8 +799,9 @@ def check_flags(args, device, world_size):
              "tested in this script (its GPU tests use one GPU); drop --cpu-offload (tensor "
              "parallel divides each rank's state by T too), or --tp-degree.")
     problem = check_sizes(args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    if problem or check_fault_tolerance(args, world_size):
-        fail(problem or check_fault_tolerance(args, world_size))
+    problem = problem or check_fault_tolerance(args, world_size)
+    if problem:
+        fail(problem)
     if args.pad_documents and not args.pack_documents:
         fail("--pad-documents puts one document of --pack-documents' task in each row; add "
              "--pack-documents")
@@ -1024,9 +1025,9 @@ def quiet_torchft():
 def check_fault_tolerance(args, world_size):
     """Why these flags cannot run fault tolerant here, or None (check_flags)."""
     if not args.fault_tolerance:
-        unused = [f for f, given in (("--replica-group", args.replica_group is not None),)
-                  if given]
-        return unused and f"{unused[0]} names a replica group of --fault-tolerance; add it"
+        if args.replica_group is not None:
+            return "--replica-group names a replica group of --fault-tolerance; add it"
+        return None
     import_torchft()
     logging.getLogger("torchft.manager").addFilter(OneLinePerEvent(args.replica_group))
     for flag, given in (("--replicate-degree", args.replicate_degree > 1),

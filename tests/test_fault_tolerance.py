@@ -21,6 +21,7 @@ from conftest import (
     TORCHRUN,
     TORCHRUN_REPORT,
     run_command,
+    single_error_line,
     warning_lines,
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -218,3 +219,23 @@ def test_a_killed_lighthouse_ends_each_group_in_one_line(tmp_path):
         assert len(lines) == 1 and f"replica group {group}: no quorum from the Lighthouse at " \
             f"{address}" in lines[0], stderr
     print(f"both groups ended {time.monotonic() - started:.1f} s after the Lighthouse was killed")
+
+
+@pytest.mark.parametrize("flags, env, line", [
+    (["--replica-group", 0], {}, "--replica-group names a replica group of --fault-tolerance"),
+    (["--fault-tolerance", "--replica-group", 0], {},
+     "start one (torchft_lighthouse --min_replicas 1) and set TORCHFT_LIGHTHOUSE"),
+    (["--fault-tolerance", "--replica-group", 0, "--pack-documents"], {},
+     "--pack-documents with --fault-tolerance is not supported here"),
+    (["--fault-tolerance"], {"PYTHONPATH": "no_torchft"}, "pip install torchft==0.2.0"),
+], ids=["group without the flag", "no Lighthouse", "packed documents", "torchft missing"])
+def test_fault_tolerance_flags_that_cannot_work_end_in_one_line(tmp_path, flags, env, line):
+    """Checked before any process group, under torchrun (one replica group's job)."""
+    (tmp_path / "no_torchft" / "torchft").mkdir(parents=True)  # an import of torchft fails
+    (tmp_path / "no_torchft" / "torchft" / "__init__.py").write_text(
+        "raise ImportError('No module named torchft')\n")
+    env = {key: str(tmp_path / value) for key, value in env.items()}
+    run = run_command([*TORCHRUN, "--standalone", "--nproc_per_node", 1, SCRIPT, *FSDP2_TINY,
+                       *flags], tmp_path, 120, env=env)
+    assert run.returncode != 0
+    assert line in single_error_line(run)
