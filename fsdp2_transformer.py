@@ -304,16 +304,16 @@ def fault_tolerant(model, optimizer, device, replica_group, store, timeout_s):
     Returns it and torchft's optimizer, whose step() steps only a committed step."""
     import torchft  # only with --fault-tolerance: an optional requirement
 
-    def load_state_dict(state):  # a live group's shards, received by the one that heals
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
+    timeout = datetime.timedelta(seconds=timeout_s)  # (NCCL's: aborts a collective with the dead)
     manager = torchft.Manager(
-        pg=torchft.ProcessGroupNCCL() if device.type == "cuda" else torchft.ProcessGroupGloo(),
-        load_state_dict=load_state_dict, state_dict=lambda: sharded_state(model, optimizer),
+        pg=(torchft.ProcessGroupNCCL(timeout) if device.type == "cuda"
+            else torchft.ProcessGroupGloo(timeout)),
+        # What a live group sends to one that heals (its shards), and how that one loads it:
+        state_dict=lambda: sharded_state(model, optimizer),
+        load_state_dict=lambda state: set_sharded_state(model, optimizer, state),
         min_replica_size=1, replica_id=f"group_{replica_group}", store_addr=store[0],
-        store_port=store[1], timeout=datetime.timedelta(seconds=timeout_s),
-        quorum_timeout=datetime.timedelta(seconds=2 * timeout_s),  # (others may be in a timeout)
+        store_port=store[1], timeout=timeout,
+        quorum_timeout=2 * timeout,  # (the others may be waiting out a timeout)
         init_sync=False,  # every group initializes the model from the same seed
         # The quorum and a heal before the step: FSDP2 swaps parameters in forward and backward,
         # which a state dict read from torchft's thread meanwhile would meet half done.
@@ -390,8 +390,7 @@ class Checkpointer:
         if marker["format"] == "sharded":  # every rank reads the parts of its own shards
             state = sharded_state(model, optimizer)
             dcp.load(state, checkpoint_id=path)  # reshards across world sizes and meshes
-            set_model_state_dict(model, state["model"])
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            set_sharded_state(model, optimizer, state)
         else:
             load_full_state(model, optimizer, path, self.dcp_api)
         rank0_print(f"Resumed from {path} at step {marker['step']}")
@@ -450,6 +449,12 @@ def sharded_state(model, optimizer):
     """This rank's shards of the model and optimizer state (DTensors), for dcp.save and dcp.load."""
     return {"model": get_model_state_dict(model),
             "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def set_sharded_state(model, optimizer, state):
+    """Load shards like sharded_state's (read by dcp.load, or received) into model and optimizer."""
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def gather_full_state(model, optimizer, dcp_api):
@@ -1029,7 +1034,6 @@ def check_fault_tolerance(args, world_size):
             return "--replica-group names a replica group of --fault-tolerance; add it"
         return None
     import_torchft()
-    logging.getLogger("torchft.manager").addFilter(OneLinePerEvent(args.replica_group))
     for flag, given in (("--replicate-degree", args.replicate_degree > 1),
                         ("--tp-degree", args.tp_degree > 1),
                         ("--pack-documents", args.pack_documents)):
@@ -1062,6 +1066,10 @@ class ReplicaGroups:
     def __init__(self, groups, group, timeout_s):
         self.groups, self.group, self.timeout_s = groups, group, timeout_s
         self.short_since = None  # the first step trained on fewer groups, while it lasts
+        logging.getLogger("torchft.manager").addFilter(OneLinePerEvent(group))
+        # torchft's ProcessGroupNCCL warns where this is unset, and sets it to its own timeout
+        # (the lesson's: --dist-timeout); in whole seconds; a user's value is kept.
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(math.ceil(timeout_s)))
 
     def store(self):
         """The (host, port) of a TCPStore for this group's torchft Manager, served by its rank 0

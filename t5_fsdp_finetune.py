@@ -473,7 +473,9 @@ class Checkpointer:
         self.folder, self.tokenizer = folder and os.path.abspath(folder), tokenizer
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.full_state_dict, self.sharded = scaler, full_state_dict, sharded
-        self.run_name = f"T5-model-{datetime.datetime.now().strftime('%Y-%m-%d-%H%M%S')}"
+        now = [datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")]
+        dist.broadcast_object_list(now)  # rank 0's: the ranks' clocks (to the second) may differ
+        self.run_name = f"T5-model-{now[0]}"  # every rank writes its shards of an export there
         self.state = {"epoch": 0, "best_val_loss": None, "best_checkpoint": None,
                       "train_losses": [], "val_losses": []}
 

@@ -18,6 +18,7 @@ and prints one markdown table per benchmark in which every figure is the median 
     python benchmarks/run.py --only hf-export          # RssAnon while FSDP2 exports, 2 and 4 ranks
     python benchmarks/run.py --only cpu-memory         # freed memory returned, or kept by glibc
     python benchmarks/run.py --only lengths --repeats 2  # token batches, packed documents; 2 cores
+    python benchmarks/run.py --only fault-tolerance    # a rank killed: torchft vs a full restart
 
 Without --mnist-dir, --wikihow-dir or --t5-model, the offline fixtures of the tests are written
 into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and the tables say so.
@@ -67,6 +68,13 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   whose lengths follow WikiHow's published statistics (benchmarks/wikihow_lengths.py): samples/s.
   fsdp2_transformer.py's documents packed (--pack-documents) against one per row
   (--pad-documents): useful tokens/s, those of documents, not padding. The ways take turns.
+- Fault tolerance (fault-tolerance, 4 processes, CPU, only when asked for; torchft and psutil
+  needed): fsdp2_transformer.py's default model, a rank of the second replica killed (SIGKILL) at
+  step 25 with sharded checkpoints every 10 steps: torchft's replica groups (--fault-tolerance, 2
+  groups of 2 ranks) against a full restart (HSDP on 4 ranks, torchrun --max-restarts 1). From
+  the step lines' times: the seconds from the kill to the survivors' next step, to the first step
+  past the last one before the kill, and to the killed replica's first step; the steps run again
+  and those the survivors trained alone. The ways take turns.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -96,7 +104,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("mnist", "fsdp2", "t5", "checkpoint", "fsdp2-gpu", "tp", "lora", "lora-gpu",
-              "hf-load", "hf-export", "cpu-memory", "lengths")
+              "hf-load", "hf-export", "cpu-memory", "lengths", "fault-tolerance")
 # fsdp2-gpu: configuration C1B (1,041,640,704 parameters) on one GPU, as issue 19 measured it.
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
@@ -154,6 +162,22 @@ LENGTHS_FSDP2 = ["--dim", "512", "--n-layers", "4", "--n-heads", "8", "--vocab-s
                  "--pack-documents", "--cpu"]
 LENGTHS_FSDP2_WAYS = {"one document per row (--pad-documents)": ["--pad-documents"],
                       "packed (--pack-documents)": []}
+# fault-tolerance: FSDP2's default model, a step line per step, a sharded checkpoint every 10 steps;
+# SIGKILL of the second replica's second rank once a line says step 25 (the full restart then
+# trains steps 21-25 again from step 20's checkpoint). 200 steps: the killed group restarts and
+# heals (about 15 s on 2 busy cores) while the other still trains.
+FT_RUN = ["--steps", "200", "--log-every", "1", "--checkpoint-dir", "ckpt", "--checkpoint-format",
+          "sharded", "--save-every", "10", "--cpu"]
+FT_KILL_STEP = 25
+FT_WAYS = {  # way: (its flags, how it starts, the process killed: its arguments and environment)
+    "torchft: 2 replica groups of 2 ranks (--fault-tolerance --world-size 2)": (
+        ["--fault-tolerance", "--world-size", "2"], {"python": True, "metrics_world_size": 2},
+        {"args": ["--replica-group", "1"], "env": {"LOCAL_RANK": "1"}}),
+    "full restart: HSDP on 4 ranks (--replicate-degree 2, torchrun --max-restarts 1)": (
+        ["--replicate-degree", "2"], {"torchrun_flags": ["--max-restarts", "1"]},
+        {"args": [], "env": {"RANK": "3"}})}
+# A step line of fsdp2_transformer.py, with the replica group's name where it started the groups
+FT_STEP_LINE = re.compile(r"^(?:\[group (\d+)\] )?step (\d+) \|")
 # lora: t5-base's shape (d_model 768, 12 + 12 layers, 12 heads of 64, d_ff 3072, 32 relative
 # attention buckets) with random weights and the tests' tokenizer (232 ids): 198,407,424
 # parameters, 0.79 GB in fp32, made offline by tests/tiny_wikihow.py's write_tiny_t5.
@@ -343,6 +367,73 @@ def adamw_copy(folder, option):
     return folder / "t5_fsdp_finetune.py"
 
 
+def kill_and_time(command, workdir, victim, env, timeout):
+    """fault-tolerance's run: command, and a SIGKILL of its worker named by victim (arguments in
+    its command line, variables of its environment) once a step line says FT_KILL_STEP.
+    Returns (returncode, stdout, stderr, figures): the figures from the times the step lines came
+    (seconds from the kill), None with a status of 1 where the kill or a step it times did not
+    happen."""
+    import psutil  # (benchmarks/requirements.txt)
+
+    proc = subprocess.Popen(command, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    lines, errors = [], []  # (seconds, line)
+
+    def read(stream, into):
+        for line in stream:
+            into.append((time.monotonic(), line))
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, lines)),
+               threading.Thread(target=read, args=(proc.stderr, errors))]
+    for reader in readers:
+        reader.start()
+
+    def steps():  # (seconds, group or None, step) of each step line so far
+        found = ((at, FT_STEP_LINE.match(line)) for at, line in list(lines))
+        return [(at, m[1] and int(m[1]), int(m[2])) for at, m in found if m]
+
+    killed, deadline = None, time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline and killed is None:
+        if any(step == FT_KILL_STEP for _, _, step in steps()):
+            workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "torch.distributed.run" not in p.cmdline()]
+            for worker in workers:
+                cmdline, environ = " ".join(worker.cmdline()), worker.environ()
+                if (" ".join(victim["args"]) in cmdline
+                        and all(environ.get(k) == v for k, v in victim["env"].items())):
+                    worker.kill()
+                    killed = time.monotonic()
+                    break
+        time.sleep(0.02)
+    try:
+        proc.wait(max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+    for reader in readers:
+        reader.join()
+    stdout, stderr = "".join(line for _, line in lines), "".join(line for _, line in errors)
+    if proc.returncode != 0 or killed is None:
+        return proc.returncode or 1, stdout, stderr + "\nharness: the kill did not happen", None
+    victim_group = 1 if victim["args"] else None
+    seen = steps()
+    last = max(step for at, _, step in seen if at <= killed)  # (the survivors' or all ranks')
+    survivors = [(at, step) for at, group, step in seen if at > killed and group in (0, None)]
+    rejoined = [at for at, group, step in seen if at > killed and group == victim_group]
+    new = [at for at, step in survivors if step > last]
+    before = [at for at, group, step in seen if at <= killed and group in (0, None) and step > 5]
+    if not (survivors and rejoined and new):
+        return 1, stdout, stderr + "\nharness: no step line after the kill, or none past it", None
+    return proc.returncode, stdout, stderr, {
+        "step_ms": 1000 * statistics.median(b - a for a, b in zip(before, before[1:])),
+        "next_step_s": survivors[0][0] - killed, "new_step_s": new[0] - killed,
+        "rejoined_s": rejoined[0] - killed,
+        "steps_again": len({step for _, step in survivors if step <= last}),
+        "steps_alone": len([at for at, _ in survivors if at < rejoined[0]])}
+
+
 def figures_of(config, metrics, stdout):
     """One run's figures, in the units of the tables (which show their medians over the runs).
 
@@ -414,7 +505,8 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
 parser.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS[:3]),
                     metavar="NAME", help=f"benchmarks to run, any of {', '.join(BENCHMARKS)} "
                     "(checkpoint, tp, fsdp2-gpu (a 1B-parameter model on one GPU), lora, "
-                    "lora-gpu (on one GPU), hf-load and hf-export only when asked for)")
+                    "lora-gpu (on one GPU), hf-load, hf-export, cpu-memory, lengths and "
+                    "fault-tolerance only when asked for)")
 parser.add_argument("--repeats", type=int, default=3, metavar="N",
                     help="runs per configuration; every figure is the median over them "
                          "(at least 3 without --smoke)")
@@ -483,6 +575,13 @@ if "fsdp2-gpu" in args.only and (args.no_gpu or not torch.cuda.is_available()):
     parser.error("fsdp2-gpu runs a 1B-parameter model on a CUDA GPU, and none is visible here")
 if "lora-gpu" in args.only and (args.no_gpu or not torch.cuda.is_available()) and not args.dry_run:
     parser.error("lora-gpu runs on a CUDA GPU, and none is visible here")
+if "fault-tolerance" in args.only and not args.dry_run:
+    try:
+        import psutil  # noqa: F401  (kill_and_time: the process to kill)
+        import torchft  # noqa: F401  (--fault-tolerance)
+    except ImportError as e:
+        parser.error(f"fault-tolerance needs torchft and psutil ({e}): pip install -r "
+                     "requirements-fault-tolerance.txt -r benchmarks/requirements.txt")
 
 started = time.perf_counter()
 cores = os.cpu_count() or 1
@@ -782,11 +881,20 @@ if "lengths" in args.only:  # world size 2 on CPU; the ways take turns
                         "name": f"fsdp2, {way}", "row": "fsdp2", "way": way,
                         "script": "fsdp2_transformer.py", "args": [*LENGTHS_FSDP2, *flags]})
 
+if "fault-tolerance" in args.only:  # 4 processes on CPU; the ways take turns
+    for way, (flags, start, victim) in FT_WAYS.items():
+        configs.append({"benchmark": "fault-tolerance", "device": "cpu", "world_size": 4,
+                        "name": way, "way": way, "script": "fsdp2_transformer.py",
+                        "args": [*FT_RUN, *flags], "victim": victim, **start})
+
 
 def command_of(config, metrics_path):
+    script = [str(REPO / config["script"]), *config["args"], "--metrics-json", str(metrics_path)]
+    if config.get("python"):  # the script starts its processes (torchft's replica groups)
+        return [sys.executable, *script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(config["world_size"]), str(REPO / config["script"]),
-            *config["args"], "--metrics-json", str(metrics_path)]
+            "--nproc_per_node", str(config["world_size"]), *config.get("torchrun_flags", []),
+            *script]
 
 
 if args.dry_run:
@@ -819,7 +927,7 @@ for config in configs:
 total = sum(config["repeats"] for config in configs)
 # The checkpoint and lora rows take turns (each configuration once, then again); the others run
 # in a row.
-TURNS = ("checkpoint", "lora", "lora-gpu", "cpu-memory", "lengths")
+TURNS = ("checkpoint", "lora", "lora-gpu", "cpu-memory", "lengths", "fault-tolerance")
 schedule = [(config, repeat) for repeat in range(1, args.repeats + 1) for config in configs
             if config["benchmark"] in TURNS]
 schedule += [(config, repeat) for config in configs if config["benchmark"] not in TURNS
@@ -852,6 +960,11 @@ for config, repeat in schedule:
             returncode, stdout, stderr, rank_peaks, saved, rank_bases = rss_anon_peaks(
                 command, workdir, HF_EXPORT_UNTIL, env={**env, **RETURN_FREED},
                 timeout=args.timeout, start=HF_EXPORT_FROM)
+        elif config["benchmark"] == "fault-tolerance":
+            returncode, stdout, stderr, kill_figures = kill_and_time(
+                command, workdir, config["victim"], env=env, timeout=args.timeout)
+            if config.get("python"):  # each replica group's metrics: group 0's
+                metrics_path = workdir / "metrics.group0.json"
         else:
             proc = subprocess.Popen(command, cwd=workdir, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -882,7 +995,8 @@ for config, repeat in schedule:
             metrics = run["metrics"] = json.loads(metrics_path.read_text())
             # A script that fell back to another device would put its figures in the wrong table.
             ran_on = (metrics.get("device"), metrics.get("world_size"))
-            if ran_on != (config["device"], config["world_size"]):
+            if ran_on != (config["device"], config.get("metrics_world_size",
+                                                       config["world_size"])):
                 error = (f"it ran on {ran_on[0]} at world size {ran_on[1]}, "
                          f"not on {config['device']} at world size {config['world_size']}")
             else:
@@ -893,6 +1007,8 @@ for config, repeat in schedule:
                                               writers_cpu_s=run["writers_cpu_s"])
                     if config["benchmark"] == "hf-load":
                         run["figures"].update(hf_load_figures(config, stdout, rank_peaks, loaded))
+                    if config["benchmark"] == "fault-tolerance":
+                        run["figures"].update(kill_figures)
                     if config["benchmark"] == "cpu-memory":
                         if sorted(rank_peaks) != list(range(config["world_size"])):
                             raise ValueError(f"RssAnon was sampled for ranks {sorted(rank_peaks)}")
@@ -1373,6 +1489,28 @@ if "lengths" in args.only:
             f"fsdp2: `{' '.join(LENGTHS_FSDP2)}`, documents one per row (`--pad-documents`) or "
             f"packed; useful tokens: those in documents. {runs_said}, the ways taking turns.\n",
             markdown_table(["run", "figure", "padded", "token batches / packed", "ratio"], rows)]
+
+if "fault-tolerance" in args.only:
+    rows = []
+    for way in FT_WAYS:
+        c = find("fault-tolerance", "cpu", way=way)
+        rows.append([way + (" (FAILED)" if c["failed"] else ""), fmt(median(c, "step_ms"), ".0f"),
+                     fmt(median(c, "next_step_s"), ".2f"), fmt(median(c, "new_step_s"), ".2f"),
+                     fmt(median(c, "rejoined_s"), ".1f"), fmt(median(c, "steps_again"), ".0f"),
+                     fmt(median(c, "steps_alone"), ".0f")])
+    out += ["\n### A rank killed: torchft's replica groups against a full restart "
+            "(4 processes, CPU, gloo)\n",
+            f"fsdp2_transformer.py's default model, `{' '.join(FT_RUN)}`; SIGKILL of the second "
+            f"replica's second rank once a step line says step {FT_KILL_STEP}. Seconds from the "
+            "kill, by the times the step lines came: to the survivors' next step (torchft: "
+            "group 0's; a full restart: every rank's), to the first step past the last one "
+            "before the kill, and to the killed replica's first step (healed, or restarted). "
+            "Steps again: those trained a second time (from step 20's checkpoint); steps alone: "
+            "those the survivors trained before the killed replica was back (its rows skipped). "
+            f"Step time: the median before the kill. {runs_said}, the ways taking turns.\n",
+            markdown_table(["way", "step time (ms)", "kill -> survivors' next step (s)",
+                            "kill -> first new step (s)", "kill -> killed replica's step (s)",
+                            "steps again", "steps alone"], rows)]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"

@@ -191,3 +191,20 @@ def test_lengths_benchmark_runs_what_it_says():
     assert len({run.split("--data-dir ")[1].split()[0] for run in t5}) == 2
     padded, packed = (run for run in runs if "fsdp2_transformer.py" in run)
     assert padded.replace(" --pad-documents", "") == packed and "--pack-documents" in packed
+
+
+def test_fault_tolerance_benchmark_runs_what_it_says():
+    """--only fault-tolerance --dry-run: the same training twice, as torchft's 2 replica groups of
+    2 ranks started with python, and as HSDP on 4 ranks that torchrun restarts once (from the
+    checkpoints saved every 10 steps)."""
+    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only",
+                           "fault-tolerance", "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    groups, restart = proc.stdout.splitlines()
+    assert groups.split()[1].endswith("fsdp2_transformer.py")  # python SCRIPT: it starts them
+    assert "--nproc_per_node 4 --max-restarts 1" in restart
+    script = restart.split(" -m torch.distributed.run --standalone --nproc_per_node 4 "
+                           "--max-restarts 1 ")[1]
+    assert script.replace("--replicate-degree 2", "--fault-tolerance --world-size 2") in groups
+    assert "--save-every 10 --cpu" in script and "--checkpoint-format sharded" in script

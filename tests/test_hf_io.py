@@ -9,7 +9,15 @@ import sys
 
 import pytest
 import torch
-from conftest import LORA, REPO, t5_args, torchrun_command, warning_lines
+from conftest import (
+    LORA,
+    REPO,
+    TORCHRUN,
+    run_command,
+    t5_args,
+    torchrun_command,
+    warning_lines,
+)
 from forked_torchrun import SWITCH
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -48,6 +56,28 @@ def t5_run(cached_torchrun, wikihow_dir):
         return result
 
     return run
+
+
+def test_ranks_whose_clocks_differ_write_one_export(tmp_path, still_t5_dir, wikihow_dir):
+    """Rank 1's clock an hour ahead of rank 0's (its time zone): the epoch's export is one folder,
+    named by rank 0's clock, with every rank's shards in it (named by each rank's own clock, one
+    export became two folders, each with part of the model)."""
+    (tmp_path / "clock").mkdir()
+    (tmp_path / "clock" / "sitecustomize.py").write_text(  # (new processes: no forks)
+        "import os, runpy, time\n"
+        f"runpy.run_path({str(REPO / 'tests' / 'startup' / 'sitecustomize.py')!r})\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    os.environ['TZ'] = 'UTC-1'  # POSIX's way to say an hour ahead of UTC\n"
+        "    time.tzset()\n")
+    env = {SWITCH: "0", "PYTHONPATH": os.pathsep.join([str(tmp_path / "clock"),
+                                                       os.environ["PYTHONPATH"]])}
+    run = run_command([*TORCHRUN, "--standalone", "--nproc_per_node", 2, REPO / SCRIPT,
+                       *t5_args(still_t5_dir, wikihow_dir, 1, *SHARD_BY_SHARD, *FROZEN)],
+                      tmp_path, 300, env=env)
+    assert run.returncode == 0, run.output
+    exports = [p.name for p in tmp_path.glob("T5-model-*-hf*")]
+    assert len(exports) == 1 and exports[0].endswith("-hf"), exports
+    assert_same_tensors(hf_tensors(tmp_path / exports[0]), hf_tensors(still_t5_dir))
 
 
 @pytest.mark.parametrize("model", ["tied", "untied"])

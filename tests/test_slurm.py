@@ -1,7 +1,8 @@
 """The scripts on a real SLURM: a private cluster on this machine (munged, slurmctld and two slurmd,
 nodes fsdpnode1 and fsdpnode2), started when SLURM is installed (.ci/run installs Debian's
-slurm-wlm and munge) and stopped after these tests. `srun python SCRIPT.py` must be one job, and
-slurm.sbatch must run a script on two nodes, with the losses of torchrun on one machine."""
+slurm-wlm and munge) and stopped after these tests. `srun python SCRIPT.py` must be one job,
+slurm.sbatch must run a script on two nodes, with the losses of torchrun on one machine, and
+slurm_fault_tolerant.sbatch must keep a job training through a killed replica group."""
 import json
 import os
 import re
@@ -23,9 +24,11 @@ from conftest import (
     full_state_of,
     run_command,
     t5_args,
+    warning_lines,
 )
 
 NODES = ("fsdpnode1", "fsdpnode2")
+SCRIPT_FT = "fsdp2_transformer.py"  # slurm_fault_tolerant.sbatch's $SCRIPT
 HOSTS_LINE = f"127.0.0.1 {' '.join(NODES)}  # tests/test_slurm.py, removed when it ends\n"
 
 
@@ -280,3 +283,47 @@ def test_the_job_script_restarts_a_killed_worker_from_its_checkpoint(slurm, tmp_
     final = full_state_of(tmp_path / "ckpt" / "step_000020")
     expected = full_state_of(fsdp2_reference.cwd / "ckpt" / "step_000020")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_fault_tolerant_job_script_trains_on_through_a_killed_group(slurm, tmp_path):
+    """`sbatch --nodes 2 slurm_fault_tolerant.sbatch ...`: the Lighthouse's job step and a torchrun
+    step per replica group (a node each). A worker of group 1 killed (SIGKILL) at group 0's step 5:
+    group 0 trains every step (once each), torchrun restarts group 1, which heals from group 0,
+    and the groups' final checkpoints are bit-identical; each line says its group."""
+    pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
+    steps = 150  # group 1 restarts and heals (about 15 s) while group 0 still trains
+    env = {**os.environ, **slurm, **ONE_PROCESS_PER_NODE, "SCRIPT": str(REPO / SCRIPT_FT),
+           "CHECKPOINT_DIR": str(tmp_path / "ckpt"), "LIGHTHOUSE_PORT": str(free_ports(1)[0]),
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # the Lighthouse
+    command = ["sbatch", "--parsable", "--nodes", 2, "--output", tmp_path / "job.out",
+               REPO / "slurm_fault_tolerant.sbatch", *FSDP2_TINY, "--cpu", "--log-every", 1,
+               "--steps", steps, "--dist-timeout", 20, "--checkpoint-format", "sharded",
+               "--save-every", 50]
+    proc = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    output = tmp_path / "job.out"
+    deadline = time.monotonic() + 180
+    while not (output.exists() and "[group 0] step 5 |" in output.read_text()):
+        assert time.monotonic() < deadline, output.read_text() if output.exists() else job
+        time.sleep(0.05)
+    group_1 = [pid for pid in job_workers(SCRIPT_FT, job)
+               if b"--replica-group\x001\x00" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(group_1) == 1, group_1
+    os.kill(group_1[0], signal.SIGKILL)
+    run = wait_for_job(slurm, job, tmp_path)
+    said = run.stdout
+    assert run.returncode == 0, said
+    # (SLURM starts the groups' steps one after the other: the first may train a step or two alone,
+    # and the other heal into the run as it starts)
+    group_0 = [int(m) for m in re.findall(r"^\[group 0\] step (\d+) \|", said, re.MULTILINE)]
+    assert group_0 == list(range(group_0[0], steps + 1)) and group_0[0] <= 5, said
+    healed = re.findall(r"^\[group 1\] step (\d+): healed", said, re.MULTILINE)
+    alone = re.findall(r"^\[group 0\] step (\d+): 1 of 2 replica groups", said, re.MULTILINE)
+    assert max(map(int, healed)) > 5 and max(map(int, alone)) > 5, said
+    assert not warning_lines(said) and "Traceback" not in said and "[INFO]" not in said, said
+    assert "srun: " not in said, said  # (the Lighthouse's step stopped quietly)
+    final = [full_state_of(tmp_path / "ckpt" / f"group_{g}" / f"step_{steps:06d}")
+             for g in (0, 1)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
