@@ -72,9 +72,9 @@ into a temporary directory first (tests/digits_mnist.py needs scikit-learn), and
   needed): fsdp2_transformer.py's default model, a rank of the second replica killed (SIGKILL) at
   step 25 with sharded checkpoints every 10 steps: torchft's replica groups (--fault-tolerance, 2
   groups of 2 ranks) against a full restart (HSDP on 4 ranks, torchrun --max-restarts 1). From
-  the step lines' times: the seconds from the kill to the survivors' next step, to the first step
-  past the last one before the kill, and to the killed replica's first step; the steps run again
-  and those the survivors trained alone. The ways take turns.
+  the step lines' times: the survivors' longest pause, the seconds from the kill to the first new
+  step and to the killed replica's first step once back; the steps run again and those the
+  survivors trained alone. The ways take turns.
 - With a CUDA GPU, each benchmark again at world size 1 on the GPU: peak CUDA allocated memory,
   CUDA-event time (MNIST, the one script that reports it) and the bf16 speed-up (FSDP2
   --mixed-precision, T5 --mixed-precision bf16).
@@ -169,13 +169,16 @@ LENGTHS_FSDP2_WAYS = {"one document per row (--pad-documents)": ["--pad-document
 FT_RUN = ["--steps", "200", "--log-every", "1", "--checkpoint-dir", "ckpt", "--checkpoint-format",
           "sharded", "--save-every", "10", "--cpu"]
 FT_KILL_STEP = 25
-FT_WAYS = {  # way: (its flags, how it starts, the process killed: its arguments and environment)
+# way: (its flags, how it starts, the process killed: its arguments and environment, and the line
+# that says the killed replica is back)
+FT_WAYS = {
     "torchft: 2 replica groups of 2 ranks (--fault-tolerance --world-size 2)": (
         ["--fault-tolerance", "--world-size", "2"], {"python": True, "metrics_world_size": 2},
-        {"args": ["--replica-group", "1"], "env": {"LOCAL_RANK": "1"}}),
+        {"args": ["--replica-group", "1"], "env": {"LOCAL_RANK": "1"},
+         "back": r"^\[group 1\] step \d+: healed"}),
     "full restart: HSDP on 4 ranks (--replicate-degree 2, torchrun --max-restarts 1)": (
         ["--replicate-degree", "2"], {"torchrun_flags": ["--max-restarts", "1"]},
-        {"args": [], "env": {"RANK": "3"}})}
+        {"args": [], "env": {"RANK": "3"}, "back": r"^Resumed from "})}
 # A step line of fsdp2_transformer.py, with the replica group's name where it started the groups
 FT_STEP_LINE = re.compile(r"^(?:\[group (\d+)\] )?step (\d+) \|")
 # lora: t5-base's shape (d_model 768, 12 + 12 layers, 12 heads of 64, d_ff 3072, 32 relative
@@ -417,21 +420,24 @@ def kill_and_time(command, workdir, victim, env, timeout):
     stdout, stderr = "".join(line for _, line in lines), "".join(line for _, line in errors)
     if proc.returncode != 0 or killed is None:
         return proc.returncode or 1, stdout, stderr + "\nharness: the kill did not happen", None
-    victim_group = 1 if victim["args"] else None
     seen = steps()
-    last = max(step for at, _, step in seen if at <= killed)  # (the survivors' or all ranks')
-    survivors = [(at, step) for at, group, step in seen if at > killed and group in (0, None)]
-    rejoined = [at for at, group, step in seen if at > killed and group == victim_group]
-    new = [at for at, step in survivors if step > last]
-    before = [at for at, group, step in seen if at <= killed and group in (0, None) and step > 5]
-    if not (survivors and rejoined and new):
-        return 1, stdout, stderr + "\nharness: no step line after the kill, or none past it", None
+    survivors = [(at, step) for at, group, step in seen if group in (0, None)]
+    # Lines of steps done before the kill may come just after it: 0.3 s to arrive
+    last = max(step for at, step in survivors if at <= killed + 0.3)
+    new = [at for at, step in survivors if at > killed + 0.3 and step > last]
+    from_kill = [at for at, _ in survivors if at >= max(a for a, _ in survivors if a <= killed)]
+    back = [at for at, line in lines if at > killed and re.search(victim["back"], line)]
+    rejoined = [at for at, group, _ in seen if back and at >= back[0]
+                and group == (1 if victim["args"] else None)]
+    if not (new and rejoined):
+        return 1, stdout, stderr + "\nharness: no step after the kill, or no rejoin", None
+    before = [at for at, step in survivors if at <= killed and step > 5]
     return proc.returncode, stdout, stderr, {
         "step_ms": 1000 * statistics.median(b - a for a, b in zip(before, before[1:])),
-        "next_step_s": survivors[0][0] - killed, "new_step_s": new[0] - killed,
-        "rejoined_s": rejoined[0] - killed,
-        "steps_again": len({step for _, step in survivors if step <= last}),
-        "steps_alone": len([at for at, _ in survivors if at < rejoined[0]])}
+        "pause_s": max(b - a for a, b in zip(from_kill, from_kill[1:])),
+        "new_step_s": new[0] - killed, "rejoined_s": rejoined[0] - killed,
+        "steps_again": len(survivors) - len({step for _, step in survivors}),
+        "steps_alone": len([at for at, _ in survivors if killed < at < rejoined[0]])}
 
 
 def figures_of(config, metrics, stdout):
@@ -474,6 +480,8 @@ def figures_of(config, metrics, stdout):
     elif config["benchmark"] == "lengths" and "fsdp2" in config["script"]:
         figures.update(useful_tokens_per_s=metrics["useful_tokens_per_s"],
                        tokens_per_s=metrics["tokens_per_s"], train_loss=metrics["train_loss"])
+    elif config["benchmark"] == "fault-tolerance":  # its times: kill_and_time's, from the lines
+        figures["final_loss"] = metrics["losses"][-1]
     elif config["benchmark"] in ("lora", "lora-gpu", "lengths"):  # the steady samples/s
         figures["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
         figures["samples_per_s"] = config["samples"] / figures["epoch_s"]
@@ -1495,22 +1503,24 @@ if "fault-tolerance" in args.only:
     for way in FT_WAYS:
         c = find("fault-tolerance", "cpu", way=way)
         rows.append([way + (" (FAILED)" if c["failed"] else ""), fmt(median(c, "step_ms"), ".0f"),
-                     fmt(median(c, "next_step_s"), ".2f"), fmt(median(c, "new_step_s"), ".2f"),
+                     fmt(median(c, "pause_s"), ".2f"), fmt(median(c, "new_step_s"), ".2f"),
                      fmt(median(c, "rejoined_s"), ".1f"), fmt(median(c, "steps_again"), ".0f"),
-                     fmt(median(c, "steps_alone"), ".0f")])
+                     fmt(median(c, "steps_alone"), ".0f"), fmt(median(c, "final_loss"), ".3f")])
     out += ["\n### A rank killed: torchft's replica groups against a full restart "
             "(4 processes, CPU, gloo)\n",
             f"fsdp2_transformer.py's default model, `{' '.join(FT_RUN)}`; SIGKILL of the second "
-            f"replica's second rank once a step line says step {FT_KILL_STEP}. Seconds from the "
-            "kill, by the times the step lines came: to the survivors' next step (torchft: "
-            "group 0's; a full restart: every rank's), to the first step past the last one "
-            "before the kill, and to the killed replica's first step (healed, or restarted). "
-            "Steps again: those trained a second time (from step 20's checkpoint); steps alone: "
-            "those the survivors trained before the killed replica was back (its rows skipped). "
-            f"Step time: the median before the kill. {runs_said}, the ways taking turns.\n",
-            markdown_table(["way", "step time (ms)", "kill -> survivors' next step (s)",
-                            "kill -> first new step (s)", "kill -> killed replica's step (s)",
-                            "steps again", "steps alone"], rows)]
+            f"replica's second rank once a step line says step {FT_KILL_STEP}. By the times the "
+            "step lines came (the survivors: torchft's group 0; in a full restart, every rank): "
+            "the survivors' longest pause between two steps from the kill on; the seconds from "
+            "the kill to the first step past those done before it (their lines may come up to "
+            "0.3 s after it), and to the killed replica's first step once it is back (healed, or "
+            "resumed). Steps again: steps trained a second time (from the last checkpoint); steps "
+            "alone: those the survivors trained before the killed replica was back (its rows "
+            f"skipped). Step time: the median before the kill. Final loss: group 0's, or the "
+            f"job's; the {runs_said}, the ways taking turns.\n",
+            markdown_table(["way", "step time (ms)", "survivors' longest pause (s)",
+                            "kill -> first new step (s)", "kill -> killed replica back (s)",
+                            "steps again", "steps alone", "final loss"], rows)]
 
 elapsed = time.perf_counter() - started
 out.append(f"\nTotal wall time: {elapsed / 60:.1f} min for {len(runs)} runs"
