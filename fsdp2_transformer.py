@@ -983,7 +983,8 @@ def add_fault_tolerance_flags(parser):
     add("--replica-groups", type=positive(int), default=2, metavar="G", help="groups in the job: "
         "group g reads the rows of HSDP's replica g (--fault_tolerance.group_size)")
     add("--replica-group", type=positive(int, zero=True), metavar="I", help="this group, 0 to "
-        "G - 1, under torchrun or srun (--fault_tolerance.replica_id)")
+        "G - 1, under torchrun or srun (--fault_tolerance.replica_id); every group needs the "
+        "same number of ranks: one heals from a live one's shards, rank by rank")
     add("--min-replicas", type=positive(int), default=1, metavar="N", help="started with python: "
         "the Lighthouse's quorum needs N live groups (1: train on while any lives)")
     add("--group-restarts", type=positive(int, zero=True), default=3, metavar="N", help="started "

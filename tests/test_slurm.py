@@ -291,14 +291,16 @@ def test_fault_tolerant_job_script_trains_on_through_a_killed_group(slurm, tmp_p
     group 0 trains every step (once each), torchrun restarts group 1, which heals from group 0,
     and the groups' final checkpoints are bit-identical; each line says its group."""
     pytest.importorskip("torchft", reason="torchft is not installed (pip install torchft==0.2.0)")
-    steps = 150  # group 1 restarts and heals (about 15 s) while group 0 still trains
+    # group 1 restarts and heals (5-15 s; more under load) while group 0 still trains (steps of
+    # 45-55 ms here: 150 were too few in CI, where group 0 finished first)
+    steps = 600
     env = {**os.environ, **slurm, **ONE_PROCESS_PER_NODE, "SCRIPT": str(REPO / SCRIPT_FT),
            "CHECKPOINT_DIR": str(tmp_path / "ckpt"), "LIGHTHOUSE_PORT": str(free_ports(1)[0]),
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # the Lighthouse
     command = ["sbatch", "--parsable", "--nodes", 2, "--output", tmp_path / "job.out",
                REPO / "slurm_fault_tolerant.sbatch", *FSDP2_TINY, "--cpu", "--log-every", 1,
                "--steps", steps, "--dist-timeout", 20, "--checkpoint-format", "sharded",
-               "--save-every", 50]
+               "--save-every", 200]
     proc = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True, text=True,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -321,7 +323,7 @@ def test_fault_tolerant_job_script_trains_on_through_a_killed_group(slurm, tmp_p
     assert group_0 == list(range(group_0[0], steps + 1)) and group_0[0] <= 5, said
     healed = re.findall(r"^\[group 1\] step (\d+): healed", said, re.MULTILINE)
     alone = re.findall(r"^\[group 0\] step (\d+): 1 of 2 replica groups", said, re.MULTILINE)
-    assert max(map(int, healed)) > 5 and max(map(int, alone)) > 5, said
+    assert healed and alone and max(map(int, healed)) > 5 and max(map(int, alone)) > 5, said
     assert not warning_lines(said) and "Traceback" not in said and "[INFO]" not in said, said
     assert "srun: " not in said, said  # (the Lighthouse's step stopped quietly)
     final = [full_state_of(tmp_path / "ckpt" / f"group_{g}" / f"step_{steps:06d}")
