@@ -232,6 +232,31 @@ def tensor_parallel_plan():
             "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)}
 
 
+# ---------------------------------------------------------------------------------------- float8
+def convert_to_float8(model, recipe):
+    """torchao's float8 training (--float8): each block's Linear layers multiply in float8 with
+    scales computed from each step's values; the output layer stays in bf16 (the logits). Call it
+    on the meta-device model, before torch.compile and shard_model. tensorwise: a scale per tensor,
+    and FSDP2 all-gathers the weights in float8 (half of bf16's bytes), their scales computed
+    after each optimizer step in one all-reduce (float8_scales_after_step); rowwise: a scale per
+    row, closer to bf16, all-gathered in bf16."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = (Float8LinearConfig(enable_fsdp_float8_all_gather=True) if recipe == "tensorwise"
+              else Float8LinearConfig.from_recipe_name(recipe))
+    return convert_to_float8_training(model, config=config,
+                                      module_filter_fn=lambda module, name: name != "output")
+
+
+def float8_scales_after_step(model, optimizer):
+    """tensorwise float8 all-gather: after each optimizer step, every float8 weight's scale for the
+    next all-gather, in one all-reduce (not one per weight, in forward)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(
+        lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+
 # ----------------------------------------------------------------------------------------- FSDP2
 def shard_model(model, device, mesh, *, tp_plan=None, mp_policy=MixedPrecisionPolicy(),
                 offload_policy=OffloadPolicy(), reshard_after_forward=True, prefetch=0):
@@ -534,6 +559,8 @@ def main(args, device):
     with torch.device("meta"):
         model = Transformer(**config)
     model.activation_checkpointing = args.activation_checkpointing
+    if args.float8:  # before compile: it compiles the float8 layers' casts with them
+        model = convert_to_float8(model, args.float8)
     for layer in model.layers if args.compile else []:
         layer.compile(fullgraph=True)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -549,6 +576,8 @@ def main(args, device):
     # 3. The optimizer, after sharding: it holds the DTensor shards. Fused on CUDA (one kernel for
     #    all tensors); foreach on CPU, where torch would otherwise loop over them one by one.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda)
+    if args.float8 == "tensorwise":
+        float8_scales_after_step(model, optimizer)
 
     # 4. Resume from the newest complete checkpoint of --checkpoint-dir, if any: the lesson's
     #    Checkpointer, with the safeguards' checks around each save and load.
@@ -659,6 +688,11 @@ def parse_args(argv=None):
         "activations in backward (activation checkpointing mode full)")
     add("--compile", action="store_true", help="torch.compile each block before sharding it "
         "(--compile.enable)")
+    add("--float8", choices=["tensorwise", "rowwise"], metavar="SCALING", help="the blocks' "
+        "matmuls in float8 (torchao; NVIDIA GPUs of compute capability 8.9+, with "
+        "--mixed-precision): tensorwise (a scale per tensor, weights all-gathered in float8: the "
+        "fastest) or rowwise (a scale per row: closer to bf16); fastest with --compile, which "
+        "fuses the casts (--model.converters float8)")
     add = parser.add_argument_group("checkpoints").add_argument
     add("--checkpoint-dir", metavar="DIR", help="save to DIR/step_N, resume from the newest there")
     add("--save-every", type=positive(int), default=50, metavar="N", help="save every N steps "
@@ -689,6 +723,7 @@ def parse_args(argv=None):
 import fnmatch
 import glob
 import http.server
+import importlib.util
 import logging
 import multiprocessing.connection
 import multiprocessing.resource_tracker
@@ -703,6 +738,7 @@ import time
 import warnings
 from concurrent.futures import Future
 
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from safe_launch import (
@@ -825,6 +861,10 @@ def check_flags(args, device, world_size):
              "saved; add --checkpoint-dir DIR, or drop it")
     if args.mixed_precision and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         fail("--mixed-precision computes in bfloat16, which this GPU does not support; drop it.")
+    if args.float8:
+        problem = check_float8(args, device, world_size)
+        if problem:
+            fail(problem)
     if args.compile:  # fail now, in one line, rather than at the first step
         # Workaround: on a machine with a CUDA toolkit but no GPU, inductor's first import of
         # torch.utils.cpp_extension logs "No CUDA runtime is found, using CUDA_HOME=..." on every
@@ -868,6 +908,29 @@ def check_sizes(args, world_size, ranks_per_node):
     if dp % replicas:
         return (f"--replicate-degree {replicas} does not divide the {ranks}: HSDP needs replicas "
                 f"of {ranks} / R ranks each.")
+    return None
+
+
+def check_float8(args, device, world_size):
+    """Why --float8 cannot train here, or None (check_flags)."""
+    flag = f"--float8 {args.float8}"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU is in use"
+        return (f"{flag} multiplies in float8, which needs an NVIDIA GPU of compute capability "
+                f"8.9 or later (H100, H200, L4, RTX 4090); {where} here: drop --float8")
+    if importlib.util.find_spec("torchao") is None:
+        return f"{flag} trains with torchao's float8 layers; install it: pip install torchao"
+    if args.tp_degree > 1:
+        return (f"{flag} with --tp-degree: torchao's float8 layers need tensor parallel plans of "
+                "their own (Float8ColwiseParallel), not this script's; drop one of them")
+    if not args.mixed_precision:
+        return (f"{flag} speeds up bf16 training: add --mixed-precision (the rest of the model "
+                "then computes in bfloat16)")
+    rows = args.batch_size // (world_size * args.grad_accum_steps)  # a micro-batch's, per rank
+    if args.dim % 16 or rows * args.seq_len % 16:
+        return (f"{flag}: float8 matmuls need every size to be a multiple of 16, and --dim "
+                f"{args.dim} or a micro-batch's {rows} x {args.seq_len} tokens per rank is not; "
+                "pick multiples of 16")
     return None
 
 
@@ -1405,10 +1468,11 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
         return self.pauses[-1]
 
     def figures(self):
-        """The saves' figures, and each copy's bytes of shared memory and seconds (its check
-        included)."""
+        """The saves' figures, and each copy's bytes of shared memory, seconds (its check
+        included) and tensors in newly allocated host memory."""
         return {**super().figures(), "checkpoint_staging_bytes": self.staged_bytes,
-                "checkpoint_staging_s": self.stager.seconds}
+                "checkpoint_staging_s": self.stager.seconds,
+                "checkpoint_staging_new_tensors": self.stager.new_tensors}
 
     def wait_for_staging(self, *hook_args):
         """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
@@ -1565,9 +1629,10 @@ def error_summary(error):
 
 
 # Workaround: in torch 2.11, DefaultStager frees its host memory after every copy, and a second
-# save with it fails (KeyError: <class 'type'>, pytorch/pytorch#183413; fixed by torch 2.13):
-# there, every save gets a new stager with the lesson's options. Remove when requirements.txt asks
-# for torch >= 2.13.
+# save with it fails (KeyError: <class 'type'>, pytorch/pytorch#183413; fixed by torch 2.13). A
+# new stager per save would allocate (and on a GPU pin) all of its memory again, which paused a
+# save of a 1B model 3-6 s on an H200: there, FiniteStager copies into host memory of its own,
+# made once by DCP's _create_cpu_state_dict. Remove when requirements.txt asks for torch >= 2.13.
 STAGER_REUSABLE = torch.__version__ >= (2, 13)
 
 
@@ -1586,6 +1651,10 @@ class FiniteStager(AsyncStager):
         self.stager, self.checking = stager, ThreadPoolExecutor(max_workers=1)
         self.seconds = []  # each save's check and copy
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.buffers = None  # torch < 2.13: the host memory every copy goes to (STAGER_REUSABLE)
+        # Per copy, its tensors not in the first copy's memory (held: no new allocation can get
+        # one of its addresses): [all of them, 0, 0, ...] where the memory is reused.
+        self.first_copy, self.new_tensors = None, []
 
     def stage(self, state_dict):
         return self.checking.submit(self.check_then_stage, state_dict)
@@ -1597,13 +1666,36 @@ class FiniteStager(AsyncStager):
             bad = sum((~torch.isfinite(t)).any() for t in tensors_of(state_dict["model"]))
             if bad:
                 raise NonFinite("a parameter is not finite (NaN or infinite)")
-        if self.seconds and not STAGER_REUSABLE:  # a save before this one
-            self.stager.close()
-            self.stager = DefaultStager(self.stager._config)  # the lesson's options
-        staged = self.stager.stage(state_dict)
-        staged = staged.result() if isinstance(staged, Future) else staged
+        if STAGER_REUSABLE:
+            staged = self.stager.stage(state_dict)
+            staged = staged.result() if isinstance(staged, Future) else staged
+        else:
+            staged = self.copy_to_buffers(state_dict)
         self.seconds.append(time.perf_counter() - started)
+        self.count_new_tensors(staged)
         return staged
+
+    def copy_to_buffers(self, state_dict):
+        """torch < 2.13: the copy that the lesson's stager makes, into host memory allocated at
+        the first save and reused by every later one; shared (the writer process reads it in
+        place) and, on a GPU, pinned, as the lesson's StagingOptions ask."""
+        if self.buffers is None:
+            self.buffers = _create_cpu_state_dict(state_dict, pin_memory=self.stream is not None,
+                                                  share_memory=True)
+        with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+            staged = _copy_state_dict(state_dict, self.buffers, non_blocking=bool(self.stream))
+        if self.stream:
+            self.stream.synchronize()  # the next step may change the parameters
+        return staged
+
+    def count_new_tensors(self, staged):
+        """How many of this copy's tensors lie outside the first copy's host memory."""
+        addresses = {tensor.data_ptr() for tensor in tensors_of(staged)}
+        if self.first_copy is None:
+            self.first_copy, self.first_addresses = staged, addresses
+            self.new_tensors.append(len(addresses))
+        else:
+            self.new_tensors.append(len(addresses - self.first_addresses))
 
     def close(self):
         self.checking.shutdown()

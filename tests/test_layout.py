@@ -60,7 +60,11 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # T5's exports are named by rank 0's clock, broadcast (+2, 659 -> 661): each rank named them by its
 # own, and ranks a second apart wrote their shards of one export into two folders (seen in the
 # suite under load, test_hf_io's export with 47 of its tensors wrong).
-BUDGETS = {"fsdp2_transformer.py": 681, "t5_fsdp_finetune.py": 661, "fsdp1_mnist.py": 250,
+# fsdp2's --float8 (issue 51 item 3, which sets no allowance; 34 lines, 681 -> 715):
+# convert_to_float8 (torchao's layers, the recipes' configurations, the output layer left out:
+# 16), float8_scales_after_step (the scales of the float8 all-gather in one all-reduce after each
+# optimizer step: 9), main's conversion before compile and the hook (5), the flag (5).
+BUDGETS = {"fsdp2_transformer.py": 715, "t5_fsdp_finetune.py": 661, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
