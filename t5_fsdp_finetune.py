@@ -157,14 +157,18 @@ def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward
     """FSDP1 with one unit per T5Block: each rank keeps its shard of the parameters, gradients
     and optimizer state; a unit's parameters are gathered only while it computes.
     sync_module_states: only rank 0's model has weights, the others are on the meta device."""
-    frozen_base = any(not p.requires_grad for p in model.parameters())  # LoRA (add_lora)
+    # LoRA (add_lora): FSDP1 flattens a unit into one tensor, trained or frozen as a whole, so an
+    # adapter in a unit of its own would cost two all-gathers, a reduce-scatter and their hooks per
+    # step, each (LoRA at 0.45x full fine-tuning's speed); use_orig_params=True would compute the
+    # frozen base's gradients. So FSDP1 leaves the adapters whole on every rank (they are small)
+    # and average_gradients all-reduces their gradients, in one bucket, before each step.
+    frozen_base = any(not p.requires_grad for p in model.parameters())
+    adapters = [p for p in model.parameters() if p.requires_grad] if frozen_base else []
     model = FSDP(
         model,  # on CPU; device_id moves it to the device one FSDP unit at a time
         # A unit per T5Block; the shared embedding (encoder, decoder, lm_head) stays in the root.
-        # LoRA: a unit per adapter too. FSDP1 flattens a unit into one tensor of one dtype, trained
-        # or frozen as a whole (use_orig_params=True instead: base gradients, NO_SHARD fails).
-        auto_wrap_policy=CustomPolicy(lambda module: isinstance(module, T5Block) or (
-            frozen_base and isinstance(module, nn.Linear) and module.weight.requires_grad)),
+        auto_wrap_policy=CustomPolicy(lambda module: isinstance(module, T5Block)),
+        ignored_states=adapters or None,
         sharding_strategy=ShardingStrategy[sharding_strategy],
         # HYBRID_SHARD's mesh is 2-D. With a mesh, FSDP1's sharded state dicts hold DTensors.
         device_mesh=mesh,
@@ -178,10 +182,25 @@ def wrap_model(model, mesh, device, sharding_strategy, mixed_precision, backward
         sync_module_states=sync_module_states,
         param_init_fn=functools.partial(materialize_on, device=device),
     )
+    for adapter in adapters:  # (FSDP1 moves and syncs only what it shards)
+        adapter.data = adapter.data.to(device)
+        if sync_module_states:
+            dist.broadcast(adapter.data, src=0)
     if activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
                                        checkpoint_wrapper_fn=NON_REENTRANT)
     return model
+
+
+def average_gradients(parameters):
+    """The mean over the ranks of the gradients of parameters every rank holds whole (FSDP1's LoRA
+    adapters, see wrap_model), as FSDP averages those it shards: one all-reduce of them all."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    flat = torch.cat([grad.flatten() for grad in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+        grad.copy_(mean.view_as(grad))
 
 
 def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_checkpointing,
@@ -542,7 +561,10 @@ def main(args, device):
     log = EpochLog(args, device).begin(model, train_loader, val_loader)  # FSDP's units, memory
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
-    optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optim.AdamW(trained, lr=args.lr)
+    if lora and args.fsdp_version == 1:  # FSDP1 leaves the adapters whole (wrap_model)
+        optimizer.register_step_pre_hook(lambda *_: average_gradients(trained))
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
 
@@ -1209,8 +1231,13 @@ def describe_fsdp(model):
         sizes[key] = sizes.get(key, 0) + 1
     for (kind, total, local), count in sizes.items():
         rank0_print(f"  {count} x {kind}: {total:,} parameters each, {local:,} on rank 0")
+    flats = [flat for unit in FSDP.fsdp_modules(model) if (flat := unit._flat_param) is not None]
+    whole = [p for p in model.parameters() if not any(p is flat for flat in flats)]
+    if whole:
+        rank0_print(f"  {len(whole)} LoRA adapter matrices, {sum(p.numel() for p in whole):,} "
+                    "parameters: whole on every rank, gradients averaged in one all-reduce")
     describe_lora([(flat._unpadded_unsharded_size.numel(), flat.requires_grad, flat.dtype)
-                   for unit in FSDP.fsdp_modules(model) if (flat := unit._flat_param) is not None])
+                   for flat in flats] + [(p.numel(), p.requires_grad, p.dtype) for p in whole])
 
 
 def describe_lora(parameters):
@@ -1469,22 +1496,21 @@ def memory_plan(model, world_size, local_world_size, strategy, batch_size, input
                 output_length, compute_bytes, activation_checkpointing, fsdp_version=1):
     """Each rank's memory in bytes, from the model's shapes (on the meta device).
 
-    Training state, exact: FSDP1 flattens each unit's parameters (one unit per T5Block, with LoRA
-    one per adapter too, the rest in the root) and pads the flat parameter to a multiple of the
-    ranks it shards over (all of them, a node's under HYBRID_SHARD, none under NO_SHARD or with one
-    process); FSDP2 shards each parameter along its first dimension (rank 0 holds ceil(rows /
-    ranks) rows). Each rank holds its shards of the parameters in their dtype (a LoRA base's may
-    be bf16) and, of those that train, gradients and AdamW's two moments, and a 4-byte step per
-    flat parameter (FSDP1) or parameter (FSDP2). Activations:
+    Training state, exact: FSDP1 flattens each unit's parameters (one unit per T5Block, the rest
+    in the root; LoRA's adapters stay whole on every rank) and pads the flat parameter to a
+    multiple of the ranks it shards over (all of them, a node's under HYBRID_SHARD, none under
+    NO_SHARD or with one process); FSDP2 shards each parameter along its first dimension (rank 0
+    holds ceil(rows / ranks) rows). Each rank holds its shards of the parameters in their dtype (a
+    LoRA base's may be bf16) and, of those that train, gradients and AdamW's two moments, and a
+    4-byte step per flat parameter or adapter (FSDP1) or parameter (FSDP2). Activations:
     T5_SAVED's counts for the batch each rank trains (--batch-size is per rank); with
     activation checkpointing, only each block's input (and one block while it is recomputed)."""
     shard = {"NO_SHARD": 1, "HYBRID_SHARD": local_world_size}.get(strategy, world_size)
     blocks = [m for m in model.modules() if isinstance(m, T5Block)]
     frozen_base = any(not p.requires_grad for p in model.parameters())  # as wrap_model sees it
-    adapters = [m for m in model.modules()
-                if frozen_base and isinstance(m, nn.Linear) and m.weight.requires_grad]
-    units, seen = [], set()  # FSDP1's: each parameter in the innermost unit that holds it
-    for module in (*adapters, *blocks, model):
+    adapters = [p for p in model.parameters() if p.requires_grad] if frozen_base else []
+    units, seen = [[p] for p in adapters], {id(p) for p in adapters}  # FSDP1's: adapters whole,
+    for module in (*blocks, model):  # each other parameter in the innermost unit that holds it
         units.append([p for p in module.parameters() if id(p) not in seen])
         seen.update(id(p) for p in units[-1])
     if fsdp_version == 2:  # each parameter once, tied or not, sharded by rows
@@ -1493,6 +1519,8 @@ def memory_plan(model, world_size, local_world_size, strategy, batch_size, input
     def local(unit):  # a unit's elements on rank 0
         if fsdp_version == 2:
             return math.ceil(unit[0].shape[0] / shard) * unit[0][0].numel()
+        if unit[0].requires_grad and frozen_base:  # an adapter, under FSDP1
+            return unit[0].numel()
         return math.ceil(sum(p.numel() for p in unit) / shard)
 
     units = [unit for unit in units if unit]

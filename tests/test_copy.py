@@ -223,7 +223,10 @@ def sharded(model, broadcast=False, shards=False):
 model = sharded(model, broadcast, shards)
 if version == 2:  # FSDP2 keeps the modules: materialized and loaded, the head is still tied
     assert (model.lm_head.weight is model.shared.weight) == tied
-optimizer = optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.002)
+trained = [p for p in model.parameters() if p.requires_grad]
+optimizer = optim.AdamW(trained, lr=0.002)
+if version == 1 and lora:  # FSDP1 leaves the adapters whole on every rank
+    optimizer.register_step_pre_hook(lambda *_: average_gradients(trained))
 scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
 loss = train(model, loader, optimizer, None, epoch=1, device=device)
 val_loss = validation(model, val_loader, device)
@@ -348,7 +351,8 @@ def copy_commands(folder, fixture):
 
     def t5(version, model):
         shutil.copy(REPO / "summarization_dataset.py", folder)  # the lesson imports it
-        units = T5_UNITS + (["wrap_model", "POLICIES", "export_model"] if version == 1 else [
+        units = T5_UNITS + (["wrap_model", "average_gradients", "POLICIES", "export_model"]
+                            if version == 1 else [
             "shard_model", "POLICIES_FSDP2", "hf_state", "load_pretrained_shards",
             "export_shards"])
         tied = model.startswith("tied")

@@ -198,7 +198,7 @@ def test_adapters_sit_exactly_on_the_lora_targets(lora_run, still_t5_dir, tmp_pa
         f"{BASE}{name}.lora_{matrix}.weight" for name in modules for matrix in "AB"}
     base, adapters, tensors = adapters_and_base(still_t5_dir, OTHER_TARGETS)
     assert lora_line(base, adapters) in run.stdout.splitlines(), run.stdout
-    expected = (base * 4 + adapters * (4 + 4 + 8)) // 2 + 4 * tensors  # as for q and v, below
+    expected = base * 4 // 2 + adapters * (4 + 4 + 8) + 4 * tensors  # as for q and v, below
     assert run.metrics["train_state_bytes"] == expected
     assert run.metrics["lora"]["targets"] == sorted(OTHER_TARGETS)
     plan = plan_of(SCRIPT, tmp_path, "--model-name", still_t5_dir, "--world-size", 2,
@@ -247,26 +247,28 @@ def test_lora_on_one_gpu(torchrun, still_t5_dir, wikihow_dir):
 
 
 @pytest.mark.parametrize("options, plan_flags", [
-    ([], ["--fsdp-version", 2]), (FSDP1, []),
+    (None, ["--fsdp-version", 2]), (FSDP1, []),
     (BF16_FSDP2, ["--fsdp-version", 2, "--base-dtype", "bf16"]), (BF16_FSDP1, BF16_FSDP1[:2])],
     ids=["FSDP2", "FSDP1", "FSDP2 bf16 base", "FSDP1 bf16 base"])
 def test_training_state_is_the_adapters_and_the_sharded_base(lora_reference, lora_run,
                                                              still_t5_dir, tmp_path, options,
                                                              plan_flags):
     """Measured after training, each rank holds half of the frozen base (in its dtype, without
-    gradients or optimizer state) and half of the adapters with their gradients and AdamW's two
-    moments (fp32), plus AdamW's 4-byte step per adapter tensor: to the byte (the tiny T5's sizes
-    are even). --plan predicts the same from config.json alone."""
-    run = lora_reference if not options else lora_run(2, *options)
+    gradients or optimizer state) and the adapters with their gradients and AdamW's two moments
+    (fp32): half of them under FSDP2, all of them under FSDP1 (which leaves them whole, see
+    wrap_model), plus AdamW's 4-byte step per adapter tensor: to the byte
+    (the tiny T5's sizes are even). --plan predicts the same from config.json alone."""
+    run = lora_reference if options is None else lora_run(2, *options)
     base, adapters, tensors = adapters_and_base(still_t5_dir)
-    base_bytes = 2 if "bf16" in options else 4
-    expected = (base * base_bytes + adapters * (4 + 4 + 8)) // 2 + 4 * tensors
+    base_bytes = 2 if "bf16" in (options or []) else 4
+    fsdp2 = "--fsdp-version" in plan_flags
+    expected = base * base_bytes // 2 + adapters * (4 + 4 + 8) // (2 if fsdp2 else 1) + 4 * tensors
     assert run.metrics["train_state_bytes"] == expected
     plan = plan_of(SCRIPT, tmp_path, "--model-name", still_t5_dir, "--world-size", 2,
                    "--lora-rank", 8, *plan_flags)
     assert plan["train_state_bytes"] == expected
     assert plan["trained_parameters"] == adapters
-    if "bf16" in options:  # computed in bf16: near the fp32 base's losses, but not the same
+    if "bf16" in (options or []):  # computed in bf16: near the fp32 base's losses, but not the same
         fp32 = lora_reference.metrics["val_losses"]
         assert run.metrics["val_losses"] == pytest.approx(fp32, rel=1e-2)
         assert run.metrics["val_losses"] != pytest.approx(fp32, rel=1e-6)
