@@ -110,6 +110,11 @@ C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "1
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
 C1B_RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "--compile"],
             "--batch-size 16 --compile": ["--batch-size", "16", "--compile"],
+            # torchao's float8 (issue 51; needs torchao and a GPU of compute capability 8.9+)
+            "--float8 tensorwise --batch-size 16 --compile": ["--batch-size", "16", "--compile",
+                                                             "--float8", "tensorwise"],
+            "--float8 rowwise --batch-size 16 --compile": ["--batch-size", "16", "--compile",
+                                                          "--float8", "rowwise"],
             "--activation-checkpointing": ["--batch-size", "8", "--activation-checkpointing"],
             "--cpu-offload": ["--batch-size", "8", "--cpu-offload"],
             # 201 steps, saves of 12.5 GB at steps 100, 200 and 201 (37.5 GB; the GPU machines'
