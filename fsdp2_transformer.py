@@ -738,7 +738,6 @@ import time
 import warnings
 from concurrent.futures import Future
 
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from safe_launch import (
@@ -1679,6 +1678,10 @@ class FiniteStager(AsyncStager):
         """torch < 2.13: the copy that the lesson's stager makes, into host memory allocated at
         the first save and reused by every later one; shared (the writer process reads it in
         place) and, on a GPU, pinned, as the lesson's StagingOptions ask."""
+        # (private, and needed before torch 2.13 only: imported here, not where a later torch
+        # might have moved them)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
         if self.buffers is None:
             self.buffers = _create_cpu_state_dict(state_dict, pin_memory=self.stream is not None,
                                                   share_memory=True)
