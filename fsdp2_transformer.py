@@ -1653,7 +1653,7 @@ class FiniteStager(AsyncStager):
         self.buffers = None  # torch < 2.13: the host memory every copy goes to (STAGER_REUSABLE)
         # Per copy, its tensors not in the first copy's memory (held: no new allocation can get
         # one of its addresses): [all of them, 0, 0, ...] where the memory is reused.
-        self.first_copy, self.new_tensors = None, []
+        self.first_copy, self.first_addresses, self.new_tensors = None, set(), []
 
     def stage(self, state_dict):
         return self.checking.submit(self.check_then_stage, state_dict)
@@ -1694,11 +1694,9 @@ class FiniteStager(AsyncStager):
     def count_new_tensors(self, staged):
         """How many of this copy's tensors lie outside the first copy's host memory."""
         addresses = {tensor.data_ptr() for tensor in tensors_of(staged)}
+        self.new_tensors.append(len(addresses - self.first_addresses))
         if self.first_copy is None:
             self.first_copy, self.first_addresses = staged, addresses
-            self.new_tensors.append(len(addresses))
-        else:
-            self.new_tensors.append(len(addresses - self.first_addresses))
 
     def close(self):
         self.checking.shutdown()

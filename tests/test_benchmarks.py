@@ -208,3 +208,23 @@ def test_fault_tolerance_benchmark_runs_what_it_says():
                            "--max-restarts 1 ")[1]
     assert script.replace("--replicate-degree 2", "--fault-tolerance --world-size 2") in groups
     assert "--save-every 10 --cpu" in script and "--checkpoint-format sharded" in script
+
+
+def test_profile_step_gives_a_steps_time_by_kind(tmp_path, still_t5_dir, wikihow_dir):
+    """benchmarks/profile_step.py (the LoRA profile of benchmarks/README.md) runs the T5 script's
+    units under torchrun and prints one JSON line from rank 0: a step's time, and per kind the
+    profiled time and calls. FSDP1 LoRA's adapters, kept whole, add one all-reduce a step and no
+    unit: under 50 collectives a step (22 with torch 2.14; 164 when each adapter was a unit)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "2", REPO / "benchmarks" / "profile_step.py", still_t5_dir, wikihow_dir,
+               "--fsdp-version", "1", "--lora-rank", "8", "--batch-size", "4", "--warmup", "1",
+               "--steps", "2"]
+    result = subprocess.run([str(c) for c in command], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    profile = json.loads(line)
+    kinds = profile["kinds"]
+    assert profile["step_ms"] > 0, profile
+    assert {"communication", "FSDP's own Python", "matmuls"} <= set(kinds), kinds
+    assert 0 < kinds["communication"]["calls"] < 50, kinds

@@ -83,7 +83,7 @@ def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lor
     each says how many parameters train."""
     runs = {"FSDP2": lora_reference, "FSDP1": lora_run(2, *FSDP1),
             "one process": lora_run(1, *ONE_PROCESS)}
-    base, adapters, _ = adapters_and_base(still_t5_dir)
+    base, adapters, tensors = adapters_and_base(still_t5_dir)
     one = runs["one process"].metrics
     for name, run in runs.items():
         assert warning_lines(run.output) == [], name
@@ -92,6 +92,9 @@ def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lor
             assert run.metrics[key] == pytest.approx(one[key], rel=1e-5), (name, key)
     assert one["val_losses"][1] < one["val_losses"][0]
     assert (runs["FSDP2"].metrics["fsdp_version"], runs["FSDP1"].metrics["fsdp_version"]) == (2, 1)
+    # FSDP1 leaves the adapters whole, out of its units (an A and a B beside each q and v)
+    whole = f"{tensors} LoRA adapter matrices, {adapters:,} parameters: whole on every rank"
+    assert any(whole in line for line in runs["FSDP1"].stdout.splitlines()), runs["FSDP1"].stdout
 
 
 def test_only_the_adapters_train(lora_reference, still_t5_dir):
