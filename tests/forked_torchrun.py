@@ -355,9 +355,15 @@ def manage(connection):
     os._exit(0)
 
 
+# Modules that torch imports only when first used, during a run: torch._dynamo, which building
+# fsdp2's model on the meta device imports (torch._refs' normal_, under torch._disable_dynamo):
+# 2.3 s of CPU in each worker of every fsdp2 run, profiled with py-spy. A server imports it once.
+IMPORTED_LATER = ["torch._dynamo"]
+
+
 def preload(script):
-    """Import the modules script imports (and those its own modules beside it import); return
-    what that printed, captured from file descriptors 1 and 2."""
+    """Import the modules script imports (and those its own modules beside it import), and
+    IMPORTED_LATER; return what that printed, captured from file descriptors 1 and 2."""
     folder = str(Path(script).resolve().parent)
     sys.path.insert(0, folder)
     saved = [os.dup(1), os.dup(2)]
@@ -365,7 +371,7 @@ def preload(script):
     for fd, file in zip((1, 2), captured):
         os.dup2(file.fileno(), fd)
     try:
-        for name in imported_by(Path(script), set()):
+        for name in [*imported_by(Path(script), set()), *IMPORTED_LATER]:
             try:
                 importlib.import_module(name)
             except Exception:  # the worker will meet it, and say so, as a new Python would
