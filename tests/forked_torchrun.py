@@ -7,10 +7,11 @@ the suite is CPU-bound, so that was most of its time. What runs is unchanged:
 - The agent is forked from a process that imported torch.distributed.run, and runs torchrun's own
   main() with the run's arguments, environment and folder.
 - Its workers are forked from a worker server (one per script, started on first use, ending with
-  the session) that imported the modules the script imports, with the run's environment and
-  OMP_NUM_THREADS=1 as torchrun gives. Each worker then runs the script's file as `__main__`,
-  with torchrun's per-worker environment, arguments and output files, in its own session (torchrun
-  signals the process group), and ends as Python does. Whatever importing printed (a library's
+  the session) that imported the modules the script imports (and those torch imports on first
+  use in every run of it: IMPORTED_LATER), with the run's environment and OMP_NUM_THREADS=1 as
+  torchrun gives. Each worker then runs the script's file as `__main__`, with torchrun's
+  per-worker environment, arguments and output files, in its own session (torchrun signals the
+  process group), and ends as Python does. Whatever importing printed (a library's
   warning) is printed again at the start of each worker's stderr, as a new Python would print it.
 - A run whose environment differs from the server's (a test's env=...), or a command torchrun
   builds differently, starts its workers as new processes, as before.
@@ -355,14 +356,15 @@ def manage(connection):
     os._exit(0)
 
 
-# Modules that torch imports only when first used, during a run: torch._dynamo, which building
-# fsdp2's model on the meta device imports (torch._refs' normal_, under torch._disable_dynamo):
-# 2.3 s of CPU in each worker of every fsdp2 run, profiled with py-spy. A server imports it once.
-IMPORTED_LATER = ["torch._dynamo"]
+# By script: modules that torch imports only when first used, during every run of the script.
+# Building fsdp2's model on the meta device imports torch._dynamo (torch._refs' normal_, under
+# torch._disable_dynamo): 2.3 s of CPU in each worker, profiled with py-spy. Its server imports it
+# once; the other scripts' runs never import it, and their workers do not see it.
+IMPORTED_LATER = {"fsdp2_transformer.py": ["torch._dynamo"]}
 
 
 def preload(script):
-    """Import the modules script imports (and those its own modules beside it import), and
+    """Import the modules script imports (and those its own modules beside it import), and its
     IMPORTED_LATER; return what that printed, captured from file descriptors 1 and 2."""
     folder = str(Path(script).resolve().parent)
     sys.path.insert(0, folder)
@@ -371,7 +373,8 @@ def preload(script):
     for fd, file in zip((1, 2), captured):
         os.dup2(file.fileno(), fd)
     try:
-        for name in [*imported_by(Path(script), set()), *IMPORTED_LATER]:
+        later = IMPORTED_LATER.get(Path(script).name, [])
+        for name in [*imported_by(Path(script), set()), *later]:
             try:
                 importlib.import_module(name)
             except Exception:  # the worker will meet it, and say so, as a new Python would
