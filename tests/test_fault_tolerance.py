@@ -173,8 +173,10 @@ def test_a_killed_group_restarts_heals_and_the_other_trains_on(tmp_path, hsdp):
 
 def test_a_stopped_group_is_left_behind_in_one_line(tmp_path):
     """SIGSTOP of group 1 (hung, not dead) at group 0's step 5: group 0's all-reduce fails after
-    --dist-timeout, in one line; it then trains on alone (the Lighthouse dropped group 1, whose
-    heartbeats stopped), and group 1, continued later, comes back."""
+    --dist-timeout, in one line (where the stop lands between group 1's steps, none fails: the
+    Lighthouse leaves group 1 out of group 0's next quorum); it then trains on alone, saying so
+    (the Lighthouse dropped group 1, whose heartbeats stopped), and group 1, continued later,
+    comes back."""
     groups = Groups(tmp_path, *FT, "--world-size", 1, "--steps", 40, "--dist-timeout", 8)
     groups.wait_for(r"\[group 0\] step 5 \|")
     hung = groups.workers(1)[0]
@@ -183,8 +185,9 @@ def test_a_stopped_group_is_left_behind_in_one_line(tmp_path):
     hung.resume()
     assert groups.wait() == 0, groups.output
     events = [line for _, _, line in groups.lines if "not committed" in line]
-    assert events and all(line.startswith("[group 0] replica group 0: step") for line in events[:1])
-    assert len([line for line in events if line.startswith("[group 0]")]) == 1, groups.output
+    assert all(line.startswith("[group 0] replica group 0: step") for line in events[:1])
+    assert len([line for line in events if line.startswith("[group 0]")]) <= 1, groups.output
+    assert re.search(r"\[group 0\] step \d+: 1 of 2 replica groups train", groups.output)
     assert [step for _, step in groups.steps(0)] == list(range(1, 41)), groups.output
     assert "Traceback" not in groups.output, groups.output
 
