@@ -246,9 +246,9 @@ def disk_full_case(name, fills, steps, seed, workdir):
             # rank 0's exit and torchrun's stop of the others can take that long.
             errors = {re.sub(r"^error: rank \d+: ", "error: ", line)
                       for line in outputs[-1].splitlines() if line.startswith("error:")}
-            kind = ("before the save" if len(errors) == 1 and "not enough space" in min(errors)
-                    else "during the save" if len(errors) == 1 and "no space left" in min(errors)
-                    else "other")
+            said = errors.pop() if len(errors) == 1 else ""  # the one message, or none
+            kind = ("before the save" if "not enough space" in said else
+                    "during the save" if "no space left" in said else "other")
             stops[kind] += 1
             workers_said = outputs[-1].split("torch/distributed/elastic/multiprocessing")[0]
             if not filled or kind == "other" or "Traceback" in workers_said:
