@@ -161,7 +161,7 @@ def run_all(ctx, by_name, configs):
     for config, repeat in schedule:
         if not config["failed"]:
             log(f"[{len(runs) + 1}/{total}] {label(config)}, run {repeat}/{config['repeats']}")
-            runs.append(run_once(ctx, by_name[config["benchmark"]], config, repeat))
+            runs.append(run_once(ctx, by_name[config["benchmark"]], config, repeat=repeat))
     return runs
 
 
@@ -203,7 +203,8 @@ def run_once(ctx, benchmark, config, repeat):
                      f"not on {config['device']} at world size {config['world_size']}")
         else:
             try:
-                run["figures"] = benchmark.figures(config, metrics, stdout, seen)
+                run["figures"] = benchmark.figures(config, metrics=metrics, stdout=stdout,
+                                                   seen=seen)
             except KeyError as e:
                 error = f"its metrics file has no {e} (has the script changed?)"
             except ValueError as e:
@@ -281,7 +282,8 @@ def main():
     for benchmark in (b for b in asked if hasattr(b, "prepare")):
         benchmark.prepare(ctx)
     runs = run_all(ctx, by_name, configs)
-    markdown = report(ctx, asked, configs, runs, elapsed=lambda: time.perf_counter() - started)
+    markdown = report(ctx, asked, configs=configs, runs=runs,
+                      elapsed=lambda: time.perf_counter() - started)
     print(markdown)
     if args.out:
         Path(args.out).write_text(markdown)

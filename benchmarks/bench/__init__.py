@@ -9,6 +9,7 @@ What a benchmark module defines (the runner reads nothing else of it):
     NAME         the name --only takes, e.g. "lora-gpu"
     ORDER        where it comes among the others: in --only's list, in the order the runs are
                  built and run, and in the tables (ascending)
+  and where they are not False or empty (load() gives these defaults to a module without):
     DEFAULT      True: one of the benchmarks run when --only is not given
     PER_DEVICE   True: its runs and tables are made once for the CPU and once more for the GPU
                  when one is used; runs(ctx, device) and tables(ctx, configs, device) then take
@@ -30,7 +31,8 @@ What a benchmark module defines (the runner reads nothing else of it):
                                    --repeats), "metrics_file" (the file to read instead of
                                    metrics.json) and "metrics_world_size" (the world size the
                                    metrics say, where it is not the processes started). Any
-                                   other key is its own, for its figures and tables.
+                                   other key is its own, for its figures and tables. The
+                                   runner adds "benchmark", "figures" and "failed".
     command(config, metrics_path)  (optional) the command of a run, where it is not
                                    common.torchrun_command's
     prepare(ctx)                   (optional) work before the runs (lora: --plan). With
@@ -41,11 +43,13 @@ What a benchmark module defines (the runner reads nothing else of it):
                                    (memory sampled, a rank killed): returns (returncode,
                                    stdout, stderr, seen), seen a dict of what it saw
     figures(config, metrics, stdout, seen)
-                                   one successful run's figures, in the tables' units, from its
-                                   metrics file, its output and what run() saw (with the
-                                   runner's "cpu_s" and "seconds" added). Raises KeyError for a
-                                   figure missing from the metrics, ValueError for a run that
-                                   did not do what it should: the run then counts as FAILED.
+                                   the figures of a run that exited 0 and whose metrics file
+                                   says the configuration's device and world size (the runner
+                                   checks both), in the tables' units, from its metrics file,
+                                   its output and what run() saw (with the runner's "cpu_s"
+                                   and "seconds" added). Raises KeyError for a figure missing
+                                   from the metrics, ValueError for a run that did not do what
+                                   it should: the run then counts as FAILED.
     tables(ctx, configs)           its markdown: a list of pieces (title, caption, table), from
                                    its configurations, each with "figures" (one dict per
                                    successful run) and "failed"; common.median reads them
@@ -62,10 +66,18 @@ benchmark keeps there between its prepare() and its tables() (lora: ctx.lora_pla
 import importlib
 import pkgutil
 
+DEFAULTS = {"DEFAULT": False, "PER_DEVICE": False, "TAKES_TURNS": False, "FIXTURES": frozenset()}
+
 
 def load():
-    """The benchmark modules of this package, in their ORDER."""
+    """The benchmark modules of this package (those with a NAME), in their ORDER, each with the
+    DEFAULTS of what it does not set."""
     modules = [importlib.import_module(f"{__name__}.{info.name}")
                for info in pkgutil.iter_modules(__path__)]
-    return sorted((module for module in modules if hasattr(module, "NAME")),
-                  key=lambda module: module.ORDER)
+    benchmarks = sorted((module for module in modules if hasattr(module, "NAME")),
+                        key=lambda module: module.ORDER)
+    for benchmark in benchmarks:
+        for attribute, value in DEFAULTS.items():
+            if not hasattr(benchmark, attribute):
+                setattr(benchmark, attribute, value)
+    return benchmarks

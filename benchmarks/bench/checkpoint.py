@@ -1,30 +1,20 @@
-"""checkpoint: checkpoint pauses (world size 2, CPU): issue 34's 55M-parameter model, 30 steps,
-without checkpoints, with synchronous sharded saves every 3 steps and with the background writer
-process (--async-checkpoint); --thread-writer-script adds a row for another copy of the script
-(the thread writer of main before issue 34). Its runs take turns (one of each configuration,
-then again), so that the machine's drift touches every row alike."""
+"""checkpoint: how long saves pause training (world size 2, CPU: about 11 minutes).
+
+Issue 34's 55M-parameter model, 30 steps, without checkpoints, with synchronous sharded saves
+every 3 steps and with the background writer process (--async-checkpoint); --thread-writer-script
+adds a row for another copy of the script (the thread writer of main before issue 34). Its runs
+take turns (one of each configuration, then again), so that the machine's drift touches every row
+alike.
+"""
 import os
 import statistics
 import threading
 
-from .common import (
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    ratio,
-    run_plain,
-    runs_said,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "checkpoint"
-ORDER = 50
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "checkpoint", 50
 TAKES_TURNS = True
-FIXTURES = set()
 # issue 34's model (about 660 MB of sharded checkpoint state on 2 ranks), a save every 3 steps;
 # the rows differ only in how they save.
 MODEL = ["--dim", "768", "--n-layers", "6", "--n-heads", "12", "--vocab-size", "8000",
@@ -78,7 +68,7 @@ def run(config, command, workdir, env, timeout):
     watching = threading.Thread(target=watch_writers, args=(workdir, finished, writers))
     watching.start()
     try:
-        returncode, stdout, stderr, _ = run_plain(command, workdir, env=env, timeout=timeout)
+        returncode, stdout, stderr, _ = common.run_plain(command, workdir, env=env, timeout=timeout)
     finally:
         finished.set()
         watching.join()
@@ -89,7 +79,7 @@ def figures(config, metrics, stdout, seen):
     # Over the whole run, the first step and every pause included (a wait for a copy inside a
     # step counts twice: in the step and in its save's pause).
     stalls, steps = metrics["checkpoint_stall_s"], metrics["step_times_s"][1:]
-    return {**memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
+    return {**common.memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
             "first_pause_s": stalls[0] if stalls else None,
             "later_pause_s": statistics.median(stalls[1:]) if len(stalls) > 1 else None,
             "all_in_tokens_per_s": metrics["tokens_per_s"] * metrics["step_time_s"] * len(steps)

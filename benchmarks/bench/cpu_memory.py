@@ -6,23 +6,10 @@ RssAnon, and for T5 its rise above the level after loading, at t5-base's shape w
 """
 from hf_memory import rss_anon_peaks  # benchmarks/, beside run.py
 
-from . import lora, t5
-from .common import (
-    MIB,
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    ratio,
-    runs_said,
-)
+from . import common, lora, t5
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "cpu-memory"
-ORDER = 110
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "cpu-memory", 110
 TAKES_TURNS = True
 FIXTURES = {"mnist", "t5", "lora"}
 # "kept": glibc's default; "returned": --return-freed-memory
@@ -59,13 +46,13 @@ def run(config, command, workdir, env, timeout):
 
 def figures(config, metrics, stdout, seen):
     peaks = seen["peaks"]
-    found = {**memory_figures(metrics), "train_loss": metrics["train_loss"],
+    found = {**common.memory_figures(metrics), "train_loss": metrics["train_loss"],
              "wall_s": metrics["wall_s"]}
     if sorted(peaks) != list(range(config["world_size"])):
         raise ValueError(f"RssAnon was sampled for ranks {sorted(peaks)}")
-    found["rss_anon_mib"] = max(peaks.values()) / MIB
+    found["rss_anon_mib"] = max(peaks.values()) / common.MIB
     found["above_loaded_mib"] = (max(peaks[rank] - base for rank, base in seen["bases"].items())
-                                 / MIB if "t5" in config["script"] else None)
+                                 / common.MIB if "t5" in config["script"] else None)
     return found
 
 

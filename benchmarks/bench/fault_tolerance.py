@@ -14,24 +14,11 @@ import sys
 import threading
 import time
 
-from .common import (
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    runs_said,
-    script_command,
-    torchrun_command,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, runs_said
 
-NAME = "fault-tolerance"
-ORDER = 130
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "fault-tolerance", 130
 TAKES_TURNS = True
-FIXTURES = set()
 # FSDP2's default model, a step line per step, a sharded checkpoint every 10 steps; SIGKILL of
 # the second replica's second rank once a line says step 25 (the full restart then trains steps
 # 21-25 again from step 20's checkpoint). 200 steps: the killed group restarts and heals (about
@@ -75,8 +62,8 @@ def runs(ctx):
 def command(config, metrics_path):
     """torchft's groups: `python SCRIPT`, which starts them; the full restart under torchrun."""
     if config.get("python"):
-        return [sys.executable, *script_command(config, metrics_path)]
-    return torchrun_command(config, metrics_path, torchrun_flags=config["torchrun_flags"])
+        return [sys.executable, *common.script_command(config, metrics_path)]
+    return common.torchrun_command(config, metrics_path, torchrun_flags=config["torchrun_flags"])
 
 
 def run(config, command, workdir, env, timeout):
@@ -151,7 +138,7 @@ def run(config, command, workdir, env, timeout):
 
 def figures(config, metrics, stdout, seen):
     """Group 0's (or the job's) last loss, and the times run() took from the step lines."""
-    return {**memory_figures(metrics), "final_loss": metrics["losses"][-1], **seen["kill"]}
+    return {**common.memory_figures(metrics), "final_loss": metrics["losses"][-1], **seen["kill"]}
 
 
 def tables(ctx, configs):

@@ -1,26 +1,11 @@
 """fsdp2: fully_shard on the small Transformer (world size 1, 2, and 4 where there are 4 cores;
 1 on the GPU): plain, --explicit-prefetching, --mixed-precision, --no-reshard-after-forward;
 training state per rank against the ideal 1/N."""
-from .common import (
-    at_least_one,
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    peak_label,
-    ratio,
-    runs_said,
-    where,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "fsdp2"
-ORDER = 20
-DEFAULT = True
-PER_DEVICE = True
-TAKES_TURNS = False
-FIXTURES = set()
+NAME, ORDER = "fsdp2", 20
+DEFAULT = PER_DEVICE = True  # run without --only; on the CPU, then the GPU
 OPTIONS = {"plain": [], "explicit-prefetching": ["--explicit-prefetching"],
            "mixed-precision": ["--mixed-precision"],
            "no-reshard-after-forward": ["--no-reshard-after-forward"]}
@@ -40,7 +25,7 @@ def add_flags(group):
 
 
 def check(args, asked, error):
-    at_least_one(args, error, "fsdp2_steps")
+    common.at_least_one(args, error, "fsdp2_steps")
     if args.fsdp2_world_sizes and min(args.fsdp2_world_sizes) < 1:
         error("--fsdp2-world-sizes must be at least 1")
 
@@ -69,13 +54,13 @@ def runs(ctx, device):
 
 
 def figures(config, metrics, stdout, seen):
-    return {**memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
+    return {**common.memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
             "step_ms": 1000 * BATCH * SEQ_LEN / metrics["tokens_per_s"]}
 
 
 def tables(ctx, configs, device):
     headers = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
-               "ideal 1/N", peak_label(device), "time / step (ms)", "tokens/s",
+               "ideal 1/N", common.peak_label(device), "time / step (ms)", "tokens/s",
                "tokens/s vs plain"]
     rows = []
     for c in configs:
@@ -87,7 +72,7 @@ def tables(ctx, configs, device):
                      fmt(median(c, "step_ms"), ".2f"), fmt(median(c, "tokens_per_s"), ",.0f"),
                      fmt(ratio(median(c, "tokens_per_s"), median(plain, "tokens_per_s")),
                          ".2f")])
-    return [f"\n### FSDP2: fully_shard on the small Transformer ({where(device)})\n",
+    return [f"\n### FSDP2: fully_shard on the small Transformer ({common.where(device)})\n",
             f"{MODEL_SAID}, global batch {BATCH} x {SEQ_LEN} tokens, {ctx.args.fsdp2_steps} "
             f"steps; {runs_said(ctx.args)}. tokens/s and time / step cover every step, the first "
             "included; mixed-precision is bf16 compute with fp32 reduction"

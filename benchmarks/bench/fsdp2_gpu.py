@@ -3,23 +3,10 @@
 saves; tokens/s against the upstream example, TFLOP/s, MFU, peak memory, save pauses."""
 import torch
 
-from .common import (
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    peak_label,
-    ratio,
-    runs_said,
-)
+from . import common
+from .common import flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "fsdp2-gpu"
-ORDER = 60
-DEFAULT = False
-PER_DEVICE = False
-TAKES_TURNS = False
-FIXTURES = set()
+NAME, ORDER = "fsdp2-gpu", 60
 C1B = ["--mixed-precision", "--dim", "2048", "--n-layers", "18", "--n-heads", "16",
        "--vocab-size", "32000", "--seq-len", "2048", "--lr", "3e-4"]
 RUNS = {"eager": ["--batch-size", "8"], "--compile": ["--batch-size", "8", "--compile"],
@@ -66,7 +53,7 @@ def runs(ctx):
 
 def figures(config, metrics, stdout, seen):
     stalls = metrics["checkpoint_stall_s"] or [None]
-    return {**memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
+    return {**common.memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
             "mfu": metrics["mfu"], "tflops": metrics["tflops_per_gpu"],
             "first_pause_s": stalls[0],
             "later_pause_s": stalls[1] if len(stalls) > 1 else None}  # step 200's
@@ -74,7 +61,7 @@ def figures(config, metrics, stdout, seen):
 
 def tables(ctx, configs):
     headers = ["configuration", "tokens/s", "vs upstream example", "TFLOP/s", "MFU",
-               peak_label("cuda"), "first save's pause (s)", "later save's pause (s)"]
+               common.peak_label("cuda"), "first save's pause (s)", "later save's pause (s)"]
     rows = [[flagged(c["name"], c), fmt(median(c, "tokens_per_s"), ",.0f"),
              fmt(ratio(median(c, "tokens_per_s"), UPSTREAM_C1B_TOKENS_PER_S), ".3f"),
              fmt(median(c, "tflops"), ".1f"), fmt(median(c, "mfu"), ".1%"),

@@ -8,14 +8,10 @@ memory: hf_memory.RETURN_FREED). --hf-load-repeats runs per configuration.
 """
 from hf_memory import RETURN_FREED, rss_anon_peaks  # benchmarks/, beside run.py
 
-from . import hf_load, t5
-from .common import MIB, flagged, fmt, markdown_table, median, ratio
+from . import common, hf_load, t5
+from .common import flagged, fmt, markdown_table, median, ratio
 
-NAME = "hf-export"
-ORDER = 100
-DEFAULT = False
-PER_DEVICE = False
-TAKES_TURNS = False
+NAME, ORDER = "hf-export", 100
 FIXTURES = {"hf"}
 # hf-load's run with validation and saving, so that epoch 1 exports its model.
 RUN = [flag for flag in hf_load.RUN if flag not in ("--no-save-model", "--no-run-validation")]
@@ -41,17 +37,17 @@ def run(config, command, workdir, env, timeout):
 
 
 def figures(config, metrics, stdout, seen):
-    found = t5.figures(config, metrics, stdout, seen)
+    found = t5.figures(config, metrics=metrics, stdout=stdout, seen=seen)
     peaks, bases = seen["peaks"], seen["bases"]
     if not seen["saved"] or sorted(bases) != list(range(config["world_size"])):
         raise ValueError(f"no {UNTIL!r} line, or ranks unsampled")
-    return {**found, **{f"rank{rank}_mib": (peaks[rank] - base) / MIB
+    return {**found, **{f"rank{rank}_mib": (peaks[rank] - base) / common.MIB
                         for rank, base in sorted(bases.items())}}
 
 
 def tables(ctx, configs):
     args, parameters = ctx.args, ctx.hf_parameters
-    model_mib = 4 * parameters / MIB if parameters else None  # fp32, as the script trains
+    model_mib = 4 * parameters / common.MIB if parameters else None  # fp32, as the script trains
     headers = ["world size", "way", "RssAnon added while exporting, per rank (MiB)",
                "per rank, in models", "max, in models",
                f"target: model / N + {hf_load.TARGET:.0%} of it, in models", "within target"]

@@ -10,14 +10,10 @@ One run per configuration (--hf-load-repeats).
 """
 from hf_memory import rss_anon_peaks  # benchmarks/, beside run.py
 
-from . import lora, t5
-from .common import MIB, at_least_one, find, flagged, fmt, markdown_table, median, ratio
+from . import common, lora, t5
+from .common import find, flagged, fmt, markdown_table, median, ratio
 
-NAME = "hf-load"
-ORDER = 90
-DEFAULT = False
-PER_DEVICE = False
-TAKES_TURNS = False
+NAME, ORDER = "hf-load", 90
 FIXTURES = {"hf"}
 WORLD_SIZES = (2, 4)
 # way: the file the model is read from (the hf fixture's folder of that format)
@@ -39,7 +35,7 @@ def add_flags(group):
 
 
 def check(args, asked, error):
-    at_least_one(args, error, "hf_load_repeats")
+    common.at_least_one(args, error, "hf_load_repeats")
 
 
 def model_dir(ctx, dtype, way):
@@ -74,7 +70,7 @@ def run(config, command, workdir, env, timeout):
 def figures(config, metrics, stdout, seen):
     """Each rank's peak RssAnon (MiB) until the model was sharded and loaded. Raises ValueError
     when the run did not get there, or loaded another way."""
-    found = t5.figures(config, metrics, stdout, seen)
+    found = t5.figures(config, metrics=metrics, stdout=stdout, seen=seen)
     peaks = seen["peaks"]
     if not seen["loaded"]:
         raise ValueError(f"its output never said {UNTIL!r}")
@@ -84,7 +80,8 @@ def figures(config, metrics, stdout, seen):
     way = "from rank 0" if FROM_RANK0 in stdout else "shard by shard"
     if way != config["way"]:
         raise ValueError(f"it loaded {way}, not {config['way']}")
-    return {**found, **{f"rank{rank}_mib": peak / MIB for rank, peak in sorted(peaks.items())}}
+    return {**found, **{f"rank{rank}_mib": peak / common.MIB
+                        for rank, peak in sorted(peaks.items())}}
 
 
 def figures_note(args):
@@ -100,7 +97,7 @@ def repeats_said(args):
 
 def tables(ctx, configs):
     args, parameters = ctx.args, ctx.hf_parameters
-    model_mib = 4 * parameters / MIB if parameters else None  # fp32, as the script trains
+    model_mib = 4 * parameters / common.MIB if parameters else None  # fp32, as the script trains
     headers = ["world size", "stored in", "way", "peak RssAnon above the tiny T5's, per rank "
                "(MiB)", "per rank, in models", "max over ranks (MiB)", "max, in models",
                f"target: model / N + {TARGET:.0%} of it (MiB)", "target, in models",

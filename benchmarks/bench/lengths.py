@@ -8,14 +8,11 @@ and on articles whose lengths follow WikiHow's published statistics
 (--pack-documents) against one per row (--pad-documents): useful tokens/s, those of documents,
 not padding. The ways take turns.
 """
-from . import lora
-from .common import REPO, find, fmt, log, markdown_table, median, memory_figures, ratio, runs_said
+from . import common, lora
+from .common import find, fmt, markdown_table, median, ratio, runs_said
 from .fixtures import write_fixture
 
-NAME = "lengths"
-ORDER = 120
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "lengths", 120
 TAKES_TURNS = True
 FIXTURES = {"lora"}
 # T5 at t5-base's shape with the tutorial's lengths, 2 articles per rank a step (a padded step
@@ -39,9 +36,10 @@ def runs(ctx):
     """World size 2 on CPU; its WikiHow-like articles written first."""
     data = {T5_DATA[0]: ctx.lora_data, T5_DATA[1]: ctx.tmp / "wikihow-lengths"}
     if not ctx.args.dry_run:
-        log(f"Writing WikiHow-like lengths (benchmarks/wikihow_lengths.py) to {data[T5_DATA[1]]}")
+        common.log("Writing WikiHow-like lengths (benchmarks/wikihow_lengths.py) to "
+                   f"{data[T5_DATA[1]]}")
         write_fixture(ctx, "WikiHow-like lengths",
-                      [REPO / "benchmarks" / "wikihow_lengths.py", data[T5_DATA[1]]])
+                      [common.REPO / "benchmarks" / "wikihow_lengths.py", data[T5_DATA[1]]])
     configs = [{"device": "cpu", "world_size": 2, "name": f"T5, {name}, {way}",
                 "row": f"T5, {name}", "way": way, "samples": 4, "script": "t5_fsdp_finetune.py",
                 "args": ["--model-name", str(ctx.lora_model), "--data-dir", str(folder),
@@ -54,9 +52,10 @@ def runs(ctx):
 
 def figures(config, metrics, stdout, seen):
     if "fsdp2" in config["script"]:
-        return {**memory_figures(metrics), "useful_tokens_per_s": metrics["useful_tokens_per_s"],
+        return {**common.memory_figures(metrics),
+                "useful_tokens_per_s": metrics["useful_tokens_per_s"],
                 "tokens_per_s": metrics["tokens_per_s"], "train_loss": metrics["train_loss"]}
-    return lora.figures(config, metrics, stdout, seen)  # the steady samples/s
+    return lora.figures(config, metrics=metrics, stdout=stdout, seen=seen)  # steady samples/s
 
 
 def tables(ctx, configs):

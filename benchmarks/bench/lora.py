@@ -14,26 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import (
-    MIB,
-    REPO,
-    find,
-    flagged,
-    fmt,
-    log,
-    markdown_table,
-    median,
-    memory_figures,
-    ratio,
-    runs_said,
-    stderr_tail,
-    steady_epoch_time,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "lora"
-ORDER = 70
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "lora", 70
 TAKES_TURNS = True
 FIXTURES = {"lora"}
 T5_BASE_VOCAB = 32128  # t5-base's own: the picture's dotted lines (--plan needs a config only)
@@ -85,14 +69,14 @@ def check(args, asked, error):
 def adamw_copy(folder, option):
     """A copy of t5_fsdp_finetune.py (and the modules it imports) in folder whose AdamW takes
     option=True; None when the script's optimizer line is not the one expected."""
-    text = (REPO / "t5_fsdp_finetune.py").read_text()
+    text = (common.REPO / "t5_fsdp_finetune.py").read_text()
     lines = [line for line in text.splitlines()
              if "optim.AdamW(" in line and line.endswith(ADAMW_LINE_END)]
     if len(lines) != 1:
         return None
     folder.mkdir()
     for module in ("summarization_dataset.py", "safe_launch.py"):
-        shutil.copy(REPO / module, folder)
+        shutil.copy(common.REPO / module, folder)
     changed = lines[0][:-1] + f", {option}=True)"
     (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
     return folder / "t5_fsdp_finetune.py"
@@ -104,7 +88,7 @@ def runs(ctx):
     for option in ctx.args.lora_adamw:
         script = adamw_copy(ctx.tmp / f"adamw-{option}", option)
         if script is None:
-            log(f"error: t5_fsdp_finetune.py has no single optim.AdamW(...) line ending in "
+            common.log(f"error: t5_fsdp_finetune.py has no single optim.AdamW(...) line ending in "
                 f"{ADAMW_LINE_END!r} any more: update ADAMW_LINE_END in benchmarks/bench/lora.py,"
                 " or pass --lora-adamw with nothing")
             sys.exit(1)
@@ -144,14 +128,14 @@ def prepare(ctx):
             for world_size in PLAN_WORLD_SIZES]
     argvs = [plan_command(models[model], curve, world_size)[2:]
              for model, curve, world_size in keys]
-    log(f"--plan for {len(argvs)} configurations (benchmarks/t5_memory.py)")
+    common.log(f"--plan for {len(argvs)} configurations (benchmarks/t5_memory.py)")
     (ctx.tmp / "plan-runs.json").write_text(json.dumps(argvs))
-    proc = subprocess.run([sys.executable, REPO / "benchmarks" / "t5_memory.py",
-                           REPO / "t5_fsdp_finetune.py", ctx.tmp / "plan-runs.json",
+    proc = subprocess.run([sys.executable, common.REPO / "benchmarks" / "t5_memory.py",
+                           common.REPO / "t5_fsdp_finetune.py", ctx.tmp / "plan-runs.json",
                            ctx.tmp / "plans.json"], cwd=ctx.tmp, env=ctx.env, capture_output=True,
                           text=True)
     if proc.returncode != 0:
-        log(f"error: --plan failed:\n{stderr_tail(proc.stderr)}")
+        common.log(f"error: --plan failed:\n{common.stderr_tail(proc.stderr)}")
         sys.exit(1)
     ctx.lora_plans = dict(zip(keys, json.loads((ctx.tmp / "plans.json").read_text())))
     return []
@@ -159,17 +143,17 @@ def prepare(ctx):
 
 def plan_command(model, curve, world_size):
     """python SCRIPT --plan ... for one curve at one world size."""
-    return ["python", str(REPO / "t5_fsdp_finetune.py"), "--plan", "--world-size",
+    return ["python", str(common.REPO / "t5_fsdp_finetune.py"), "--plan", "--world-size",
             str(world_size), "--model-name", str(model), *SIZES, *CURVES[curve]]
 
 
 def figures(config, metrics, stdout, seen):
     """The steady samples/s (the epochs after the first) and the memory after loading (lora-gpu's
     and lengths' T5 runs too)."""
-    found = memory_figures(metrics)
-    found["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
+    found = common.memory_figures(metrics)
+    found["epoch_s"] = common.steady_epoch_time(metrics["epoch_times"])
     found["samples_per_s"] = config["samples"] / found["epoch_s"]
-    found["loaded_mib"] = max(metrics["peak_memory_after_loading_per_rank"]) / MIB
+    found["loaded_mib"] = max(metrics["peak_memory_after_loading_per_rank"]) / common.MIB
     return found
 
 
@@ -183,7 +167,7 @@ def tables(ctx, configs):
                "peak RSS / rank (MiB)", "vs full FSDP1", "train samples/s", "vs full FSDP1"]
     rows = []
     for c in (c for c in configs if not c["adamw"]):
-        planned = plans[("measured", c["curve"], 2)]["train_state_bytes"] / MIB
+        planned = plans[("measured", c["curve"], 2)]["train_state_bytes"] / common.MIB
         rows.append([flagged(c["row"], c), c["fsdp_version"], fmt(median(c, "state_mib"), ".1f"),
                      fmt(ratio(median(c, "state_mib"), median(full[1], "state_mib")), ".3f"),
                      f"{planned:.1f}", fmt(median(c, "loaded_mib"), ".0f"),
@@ -256,7 +240,8 @@ def picture(ctx, configs, parameters):
                        "linestyle": ":", "linewidth": 1, "world_sizes": [], "train_state": [],
                        "peak": []})
     measured = [{"label": c["name"], "colour": curve["colour"], "world_size": 2,
-                 "train_state": median(c, "state_mib") * MIB, "peak": median(c, "peak_mib") * MIB}
+                 "train_state": median(c, "state_mib") * common.MIB,
+                 "peak": median(c, "peak_mib") * common.MIB}
                 for c in configs if not c["adamw"] and median(c, "state_mib") is not None
                 for curve in curves if curve["label"] == c["curve"]]
     from t5_memory import draw  # benchmarks/, beside run.py
@@ -264,9 +249,9 @@ def picture(ctx, configs, parameters):
     shape = Path(str(ctx.lora_model)).name if args.lora_model else "t5-base's shape"
     try:
         draw(args.lora_plot,
-             f"T5, {shape} ({parameters / 1e6:.1f}M parameters): memory per rank, AdamW, fp32 "
-             "compute, batch 4 x (64 + 24) tokens per rank",
-             curves, measured,
+             title=f"T5, {shape} ({parameters / 1e6:.1f}M parameters): memory per rank, AdamW, "
+                   "fp32 compute, batch 4 x (64 + 24) tokens per rank",
+             curves=curves, measured=measured,
              note="Lines: the script's --plan at each world size (the training state exact, the "
                   "peak an estimate of the device memory training needs). FULL_SHARD and "
                   "SHARD_GRAD_OP, FSDP1 and FSDP2 hold the same training state: their lines lie "
@@ -274,7 +259,7 @@ def picture(ctx, configs, parameters):
                   "Markers: measured at world size 2 on CPU, where the peak RSS also holds "
                   "Python, torch and the whole model each rank loads before sharding.")
     except Exception as e:
-        log(f"error: the picture {args.lora_plot} could not be drawn: {e!r}")
+        common.log(f"error: the picture {args.lora_plot} could not be drawn: {e!r}")
         ctx.failures.append({"benchmark": NAME, "device": "cpu", "world_size": "1-64",
                              "name": "picture", "repeat": "-", "error": repr(e)})
     link = os.path.relpath(args.lora_plot, Path(args.out).parent if args.out else ".")

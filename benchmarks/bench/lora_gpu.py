@@ -5,10 +5,7 @@ import torch
 from . import lora
 from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "lora-gpu"
-ORDER = 80
-DEFAULT = False
-PER_DEVICE = False
+NAME, ORDER = "lora-gpu", 80
 TAKES_TURNS = True
 FIXTURES = {"lora"}
 # A GPU step of 4 short articles takes milliseconds; these take long enough to time.

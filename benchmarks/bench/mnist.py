@@ -3,27 +3,12 @@ the performance table of the MNIST tutorial (seed 000), measured."""
 import math
 import re
 
-from .common import (
-    at_least_one,
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    peak_label,
-    ratio,
-    runs_said,
-    steady_epoch_time,
-    where,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 from .fixtures import mnist_train_samples
 
-NAME = "mnist"
-ORDER = 10
-DEFAULT = True
-PER_DEVICE = True
-TAKES_TURNS = False
+NAME, ORDER = "mnist", 10
+DEFAULT = PER_DEVICE = True  # run without --only; on the CPU, then the GPU
 FIXTURES = {"mnist"}
 ROWS = [("DDP", "ddp_mnist.py", []), ("FSDP1 FULL_SHARD", "fsdp1_mnist.py", []),
         ("FSDP1 FULL_SHARD, auto-wrap 20000", "fsdp1_mnist.py",
@@ -36,7 +21,7 @@ def add_flags(group):
 
 
 def check(args, asked, error):
-    at_least_one(args, error, "mnist_epochs")
+    common.at_least_one(args, error, "mnist_epochs")
 
 
 def runs(ctx, device):
@@ -49,8 +34,8 @@ def runs(ctx, device):
 
 
 def figures(config, metrics, stdout, seen):
-    found = memory_figures(metrics)
-    found["epoch_s"] = steady_epoch_time(metrics["epoch_times"])
+    found = common.memory_figures(metrics)
+    found["epoch_s"] = common.steady_epoch_time(metrics["epoch_times"])
     # DistributedSampler pads the training set to a multiple of the world size: every rank
     # trains on ceil(N / world size) samples an epoch.
     world_size = config["world_size"]
@@ -67,7 +52,7 @@ def tables(ctx, configs, device):
     on_gpu = device == "cuda"
     ddp = find(configs, name="DDP")
     headers = (["configuration", "world size", "train state / rank (MiB)", "state vs DDP",
-                peak_label(device), "epoch time (s)", "time vs DDP", "train samples/s"]
+                common.peak_label(device), "epoch time (s)", "time vs DDP", "train samples/s"]
                + (["CUDA-event time, all epochs (s)"] if on_gpu else []))
     rows = [[flagged(c["name"], c), c["world_size"], fmt(median(c, "state_mib"), ".3f"),
              fmt(ratio(median(c, "state_mib"), median(ddp, "state_mib")), ".2f"),
@@ -76,7 +61,7 @@ def tables(ctx, configs, device):
              fmt(median(c, "samples_per_s"), ",.0f")]
             + ([fmt(median(c, "cuda_event_s"), ".3f")] if on_gpu else [])
             for c in configs]
-    return [f"\n### MNIST: DDP vs FSDP1 ({where(device)})\n",
+    return [f"\n### MNIST: DDP vs FSDP1 ({common.where(device)})\n",
             f"{ctx.mnist_source}; batch size 64 per rank, {ctx.args.mnist_epochs} epochs, "
             f"Adadelta; {runs_said(ctx.args)}. Epoch time includes the test pass; train "
             "samples/s = training samples of an epoch / epoch time."

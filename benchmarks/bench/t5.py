@@ -1,26 +1,11 @@
 """t5: T5 fine-tuning (world size 2 on CPU, fp32): FSDP1's FULL_SHARD, SHARD_GRAD_OP and NO_SHARD
 with BACKWARD_PRE, FULL_SHARD with BACKWARD_POST and with no backward prefetch; FSDP2's FULL_SHARD
 and SHARD_GRAD_OP (--fsdp-version 2). On the GPU, world size 1, fp32 against bf16."""
-from .common import (
-    at_least_one,
-    find,
-    flagged,
-    fmt,
-    markdown_table,
-    median,
-    memory_figures,
-    peak_label,
-    ratio,
-    runs_said,
-    steady_epoch_time,
-    where,
-)
+from . import common
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "t5"
-ORDER = 30
-DEFAULT = True
-PER_DEVICE = True
-TAKES_TURNS = False
+NAME, ORDER = "t5", 30
+DEFAULT = PER_DEVICE = True  # run without --only; on the CPU, then the GPU
 FIXTURES = {"t5"}
 SIZES = ["--input-length", "64", "--output-length", "24", "--num-train-samples", "128",
          "--num-val-samples", "31", "--batch-size", "4", "--test-batch-size", "4"]
@@ -36,7 +21,7 @@ def add_flags(group):
 
 
 def check(args, asked, error):
-    at_least_one(args, error, "t5_epochs")
+    common.at_least_one(args, error, "t5_epochs")
 
 
 def runs(ctx, device):
@@ -62,7 +47,8 @@ def runs(ctx, device):
 def figures(config, metrics, stdout, seen):
     """A run of t5_fsdp_finetune.py: its steady epoch and its own samples/s (hf-load's and
     hf-export's runs too)."""
-    return {**memory_figures(metrics), "epoch_s": steady_epoch_time(metrics["epoch_times"]),
+    return {**common.memory_figures(metrics),
+            "epoch_s": common.steady_epoch_time(metrics["epoch_times"]),
             "samples_per_s": metrics["samples_per_s"],
             # bf16 falls back to fp32 without native bf16
             "precision_used": metrics["mixed_precision"]}
@@ -74,7 +60,7 @@ def tables(ctx, configs, device):
     no_shard = find(configs, fsdp_version=1, strategy="NO_SHARD", prefetch="BACKWARD_PRE",
                     precision="fp32")
     headers = ["FSDP", "sharding strategy", "backward prefetch", "precision", "world size",
-               "train state / rank (MiB)", "state vs NO_SHARD", peak_label(device),
+               "train state / rank (MiB)", "state vs NO_SHARD", common.peak_label(device),
                "epoch time (s)", "train samples/s",
                "samples/s vs FSDP1 FULL_SHARD BACKWARD_PRE fp32"]
     rows = []
@@ -90,7 +76,7 @@ def tables(ctx, configs, device):
                      fmt(ratio(median(c, "samples_per_s"), median(base, "samples_per_s")),
                          ".2f")])
     return [f"\n### T5 fine-tuning: FSDP1 and FSDP2, sharding strategies, backward prefetch "
-            f"({where(device)})\n",
+            f"({common.where(device)})\n",
             f"{ctx.t5_source}; input 64 and output 24 tokens, 128 training and 31 validation "
             f"articles, batch size 4 per rank, {ctx.args.t5_epochs} epochs, --no-save-model; "
             f"{runs_said(ctx.args)}. Epoch time includes validation; train samples/s is the "

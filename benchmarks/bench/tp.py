@@ -1,14 +1,9 @@
 """tp: tensor parallel (world size 4, CPU): FSDP2's default model as (dp, tp) = (4, 1), (2, 2) and
 (1, 4) with --tp-degree; tokens/s and training state per rank. --fsdp2-steps sets its steps."""
-from . import fsdp2
-from .common import find, flagged, fmt, markdown_table, median, peak_label, ratio, runs_said
+from . import common, fsdp2
+from .common import find, flagged, fmt, markdown_table, median, ratio, runs_said
 
-NAME = "tp"
-ORDER = 40
-DEFAULT = False
-PER_DEVICE = False
-TAKES_TURNS = False
-FIXTURES = set()
+NAME, ORDER = "tp", 40
 DEGREES = (1, 2, 4)
 WORLD_SIZE = 4
 
@@ -29,8 +24,8 @@ figures = fsdp2.figures
 
 def tables(ctx, configs):
     fsdp = find(configs, tp=1)
-    headers = ["mesh (dp x tp)", "train state / rank (MiB)", "state vs dp 4", peak_label("cpu"),
-               "time / step (ms)", "tokens/s", "tokens/s vs dp 4"]
+    headers = ["mesh (dp x tp)", "train state / rank (MiB)", "state vs dp 4",
+               common.peak_label("cpu"), "time / step (ms)", "tokens/s", "tokens/s vs dp 4"]
     rows = [[flagged(c["name"], c), fmt(median(c, "state_mib"), ".3f"),
              fmt(ratio(median(c, "state_mib"), median(fsdp, "state_mib")), ".3f"),
              fmt(median(c, "peak_mib"), ".1f"), fmt(median(c, "step_ms"), ".2f"),
