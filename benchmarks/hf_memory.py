@@ -70,22 +70,35 @@ def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, re
     seconds until its stdout has `until` in it (or it ends); then let it finish (stop: terminate
     it at once, the rest unmeasured). start: count only the samples taken once stdout has `start`
     in it, the first of them each rank's base (what the process held as the measured part began).
-    The workers are looked for among the launch's descendants every rescan seconds (a scan reads
-    every /proc/PID/stat); between scans only the known workers' status files are read.
     Returns (returncode, stdout, stderr, {rank: peak bytes until then}, whether `until` was seen,
     {rank: base bytes}); after timeout seconds the launch is terminated (torchrun passes SIGTERM
-    on to its workers).
-    """
+    on to its workers). rss_anon_windows measures several parts of one run."""
+    returncode, stdout, stderr, [(peaks, seen, bases)] = rss_anon_windows(
+        command, cwd, [(start, until)], env=env, timeout=timeout, interval=interval,
+        rescan=rescan, stop=stop)
+    return returncode, stdout, stderr, peaks, seen, bases
+
+
+def rss_anon_windows(command, cwd, windows, env=None, timeout=900, interval=0.01, rescan=0.25,
+                     stop=False):
+    """rss_anon_peaks for each window (start, until) of one run, start None for the run's start:
+    a window counts the samples taken once stdout has its start and before it has its until.
+    Sampling ends once every window's until has come (or the run has ended). Returns
+    (returncode, stdout, stderr, [(peaks, whether until came, bases) per window]).
+    The workers are looked for among the launch's descendants every rescan seconds (a scan reads
+    every /proc/PID/stat); between scans only the known workers' status files are read."""
     cwd = Path(cwd)
     deadline = time.monotonic() + timeout
+    measured = [({}, {}) for _ in windows]  # ({rank: peak}, {rank: base}) per window
     with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
         launch = subprocess.Popen([str(part) for part in command], cwd=cwd, env=env, stdout=out,
                                   stderr=err)
-        peaks, bases, workers, scanned, seen = {}, {}, {}, 0.0, False
+        workers, scanned = {}, 0.0
         while launch.poll() is None and time.monotonic() < deadline:
             printed = (cwd / "stdout.txt").read_text(errors="replace")
-            if until in printed:
-                seen = True
+            open_windows = [(start is None or start in printed) and until not in printed
+                            for start, until in windows]
+            if all(until in printed for _, until in windows):
                 break
             if time.monotonic() - scanned > rescan:
                 for pid in descendants(launch.pid):
@@ -96,9 +109,11 @@ def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, re
                 value = rss_anon(pid)
                 if value is None:
                     del workers[pid]
-                elif start is None or start in printed:
-                    bases.setdefault(rank, value)
-                    peaks[rank] = max(peaks.get(rank, 0), value)
+                    continue
+                for (peaks, bases), counting in zip(measured, open_windows):
+                    if counting:
+                        bases.setdefault(rank, value)
+                        peaks[rank] = max(peaks.get(rank, 0), value)
             time.sleep(interval)
         if stop and launch.poll() is None:
             launch.terminate()
@@ -113,8 +128,8 @@ def rss_anon_peaks(command, cwd, until, env=None, timeout=900, interval=0.01, re
                 launch.wait()
     stdout, stderr = ((cwd / name).read_text(errors="replace")
                       for name in ("stdout.txt", "stderr.txt"))
-    seen = seen or until in stdout
-    return launch.returncode, stdout, stderr, peaks, seen, bases
+    return launch.returncode, stdout, stderr, [
+        (peaks, until in stdout, bases) for (peaks, bases), (_, until) in zip(measured, windows)]
 
 
 def store(model_dir, dtype, safetensors_dir, bin_dir):

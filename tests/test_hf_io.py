@@ -174,21 +174,12 @@ def test_lora_adapters_start_as_peft_starts_them(t5_run, still_t5_dir):
                                                                              rel=0.2)
 
 
-def rss_anon_peaks(command, cwd, until, start=None, env=()):
-    """benchmarks/hf_memory.py's sampling of each rank's anonymous memory (RssAnon in
-    /proc/PID/status: not the pages of memory-mapped safetensors files, the kernel's cache), real
-    processes (not forked: their PIDs), stopped once `until` is printed; returns (whether it came,
-    output, [peak bytes per rank], [bytes per rank as `start` was printed])."""
-    _, stdout, stderr, peaks, came, bases = hf_memory.rss_anon_peaks(
-        torchrun_command(REPO / SCRIPT, command, 2), cwd, until,
-        env={**os.environ, SWITCH: "0", **dict(env)}, timeout=600, start=start, stop=True)
-    return came, stdout + stderr, [peaks[r] for r in sorted(peaks)], [bases[r] for r in
-                                                                       sorted(bases)]
-
-
 # The runs of the memory tests: LoRA (its training state small: the base frozen), 2 ranks.
 MEMORY_RUN = ["--input-length", 32, "--output-length", 16, "--num-train-samples", 4,
               "--num-val-samples", 4, "--epochs", 1, "--batch-size", 2, *LORA, *SHARD_BY_SHARD]
+# What each memory run measures: loading, from its start until the model is sharded; the export,
+# from the line before it until its Saved line.
+LOADING, EXPORTING = (None, "FSDP2 sharded"), ("New Val Loss Record", "Saved ")
 
 
 @pytest.fixture(scope="module")
@@ -208,21 +199,49 @@ def wide_bf16(tmp_path_factory, wide_t5_dir):
     return stored, stored_bin, 4 * sum(p.numel() for p in bf16.parameters())
 
 
-def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_bf16, tiny_t5_dir,
-                                                     wikihow_dir):
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory, wide_bf16, tiny_t5_dir, wikihow_dir):
+    """{name: {"loading": [peak bytes per rank], "exporting": ([peak bytes per rank], [bytes per
+    rank as the export began])}} of three LoRA runs on 2 ranks, each rank's anonymous memory
+    sampled by benchmarks/hf_memory.py (RssAnon in /proc/PID/status: not the pages of memory-
+    mapped safetensors files, the kernel's cache) in real processes (not forked: their PIDs):
+    "tiny", the tiny T5 until it is sharded (the baseline of loading); "shards", the 322 MB T5
+    in bf16 read shard by shard from its safetensors and exported shard by shard; "rank 0", the
+    same from its pytorch_model.bin (rank 0 loads it whole: today's way) and exported gathered
+    on rank 0 (--full-state-dict: today's way). glibc returns freed memory in all three
+    (hf_memory.RETURN_FREED): an export measured after training would otherwise reuse training's
+    freed memory, not show what it needs."""
+    stored, stored_bin, _ = wide_bf16
+    folder = tmp_path_factory.mktemp("memory")
+    runs = {"tiny": ([tiny_t5_dir, "--no-save-model", "--no-run-validation"], [LOADING]),
+            "shards": ([stored], [LOADING, EXPORTING]),
+            "rank 0": ([stored_bin, "--full-state-dict"], [LOADING, EXPORTING])}
+    measured = {}
+    for name, ((model, *flags), windows) in runs.items():
+        (folder / name).mkdir()
+        command = ["--model-name", model, "--data-dir", wikihow_dir, *MEMORY_RUN, *flags]
+        _, stdout, stderr, parts = hf_memory.rss_anon_windows(
+            torchrun_command(REPO / SCRIPT, command, 2), folder / name, windows,
+            env={**os.environ, SWITCH: "0", **hf_memory.RETURN_FREED}, timeout=600,
+            stop=name == "tiny")
+        for (peaks, came, bases), (_, until) in zip(parts, windows):
+            assert came and sorted(peaks) == sorted(bases) == [0, 1], (
+                name, until, peaks, (stdout + stderr)[-3000:])
+        per_rank = [([peaks[0], peaks[1]], [bases[0], bases[1]]) for peaks, _, bases in parts]
+        measured[name] = {"loading": per_rank[0][0]}
+        if len(per_rank) == 2:
+            measured[name]["exporting"] = per_rank[1]
+    return measured
+
+
+def test_no_rank_holds_the_whole_model_while_loading(memory_runs, wide_bf16):
     """Each rank's peak anonymous memory while a LoRA run on 2 ranks loads the 322 MB T5 stored in
     bf16, until it is sharded and loaded. Read shard by shard, no rank's peak is above the tiny
     T5's by more than its half of the model plus 25% of the model (the issue's target); from rank
     0 (the .bin fallback: today's way), rank 0's holds it all, converted. (Stored in fp32,
     from_pretrained's tensors would be the memory-mapped file's: not counted.)"""
-    stored, stored_bin, model = wide_bf16
-    peaks = {}
-    for name, model_dir in (("tiny", tiny_t5_dir), ("shards", stored), ("rank 0", stored_bin)):
-        (tmp_path / name).mkdir()
-        loaded, output, peaks[name], _ = rss_anon_peaks(
-            ["--model-name", model_dir, "--data-dir", wikihow_dir, *MEMORY_RUN, "--no-save-model",
-             "--no-run-validation"], tmp_path / name, until="FSDP2 sharded")
-        assert loaded and len(peaks[name]) == 2, (peaks[name], output[-3000:])
+    model = wide_bf16[2]
+    peaks = {name: measured["loading"] for name, measured in memory_runs.items()}
     grown = {name: [round((peak - tiny) / model, 2) for peak, tiny in zip(peaks[name],
                                                                         peaks["tiny"])]
              for name in ("shards", "rank 0")}
@@ -233,22 +252,16 @@ def test_no_rank_holds_the_whole_model_while_loading(tmp_path, wide_bf16, tiny_t
     assert grown["rank 0"][0] >= 0.9, grown  # the whole model: the measurement sees it
 
 
-def test_no_rank_holds_the_whole_model_while_exporting(tmp_path, wide_bf16, wikihow_dir):
-    """Each rank's anonymous memory while the same LoRA run exports its model (fp32 files, the
+def test_no_rank_holds_the_whole_model_while_exporting(memory_runs, wide_bf16):
+    """Each rank's anonymous memory while the same LoRA runs export their model (fp32 files, the
     merged model: 322 MB), from the line before the export until its `Saved` line, above what the
-    rank held as the export began (glibc returning freed memory): shard by shard (files of at most
-    a quarter of the model) no rank adds more than its half of the model plus 25% of the model;
-    gathered (--full-state-dict, today's way) every rank adds all of it."""
-    stored, _, model = wide_bf16
-    grown = {}
-    for name, flags in (("shards", []), ("gathered", ["--full-state-dict"])):
-        (tmp_path / name).mkdir()
-        saved, output, peaks, bases = rss_anon_peaks(
-            ["--model-name", stored, "--data-dir", wikihow_dir, *MEMORY_RUN, *flags],
-            tmp_path / name, until="Saved ", start="New Val Loss Record",
-            env=hf_memory.RETURN_FREED)  # what the export needs, not the freed memory it reuses
-        assert saved and len(peaks) == len(bases) == 2, (peaks, output[-3000:])
-        grown[name] = [round((peak - base) / model, 2) for peak, base in zip(peaks, bases)]
+    rank held as the export began: shard by shard (files of at most a quarter of the model) no
+    rank adds more than its half of the model plus 25% of the model; gathered (--full-state-dict,
+    today's way) every rank adds all of it."""
+    model = wide_bf16[2]
+    grown = {name: [round((peak - base) / model, 2)
+                    for peak, base in zip(*memory_runs[run]["exporting"])]
+             for name, run in (("shards", "shards"), ("gathered", "rank 0"))}
     print(f"RssAnon added per rank while exporting, in models of {model >> 20} MiB: {grown}")
     assert max(grown["shards"]) <= 0.5 + 0.25, grown
     assert min(grown["gathered"]) >= 0.9, grown  # the whole model: the measurement sees it
