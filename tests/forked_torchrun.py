@@ -242,10 +242,11 @@ def worker_server(script, env):
 
 
 def imports_read(env):
-    """What importing may read of an environment: all of it but the name of the current test and
-    OMP_NUM_THREADS (each worker applies its own)."""
+    """What importing may read of an environment: all of it but the name of the current test,
+    OMP_NUM_THREADS (each worker applies its own) and TORCHFT_LIGHTHOUSE (torchft reads it as a
+    worker makes its Manager, not on import; a replica group's job, which has it, then forks)."""
     return {key: value for key, value in env.items()
-            if key not in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS")}
+            if key not in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS", "TORCHFT_LIGHTHOUSE")}
 
 
 # --- in the agent: its workers, from the server -----------------------------------------------
@@ -361,6 +362,9 @@ def manage(connection):
 # torch._disable_dynamo): 2.3 s of CPU in each worker, profiled with py-spy. Its server imports it
 # once; the other scripts' runs never import it, and their workers do not see it.
 IMPORTED_LATER = {"fsdp2_transformer.py": ["torch._dynamo"]}
+# Not imported by a server: torchft sets up its logging (Rust's) as it is imported, from RUST_LOG,
+# which fsdp2_transformer.py sets just before importing it; a worker imports it (0.1-0.2 s of CPU).
+NOT_PRELOADED = ("torchft",)
 
 
 def preload(script):
@@ -375,6 +379,8 @@ def preload(script):
     try:
         later = IMPORTED_LATER.get(Path(script).name, [])
         for name in [*imported_by(Path(script), set()), *later]:
+            if name.split(".")[0] in NOT_PRELOADED:
+                continue
             try:
                 importlib.import_module(name)
             except Exception:  # the worker will meet it, and say so, as a new Python would
