@@ -17,8 +17,9 @@ the suite is CPU-bound, so that was most of its time. What runs is unchanged:
   builds differently, starts its workers as new processes, as before.
 
 test_faults starts a ForkedAgent in the background and kills or stops its workers (it lists them).
-Tests that signal a launcher (test_edges) start TORCHRUN as a command: everything is then a new
-process. This module stays small: each forked agent imports it.
+test_edges interrupts one, and a `python script.py` (start_python), each in a session of its own
+as a terminal's job, whose process group Ctrl-C signals. This module stays small: each forked
+agent imports it.
 
 Every run is a new process instead (forks() is False; NewAgent stands for ForkedAgent) with
 FSDP_TESTS_FORK=0, or when torchrun's private hook is not what fork_workers_from replaces
@@ -99,15 +100,16 @@ class ForkedAgent:
     """What a test uses of the subprocess.Popen of `torchrun args` (pid, poll, wait, kill,
     returncode), for a forked agent that writes to the files at outputs (stdout, stderr); and
     workers(), since its workers are not its children (nor is their RANK in /proc/PID/environ,
-    which shows the environment a process was exec'd with)."""
+    which shows the environment a process was exec'd with). new_session: the agent leads a session
+    of its own, as Popen's start_new_session (a terminal's job, which Ctrl-C signals as a group)."""
 
-    def __init__(self, args, cwd, env, outputs):
+    def __init__(self, args, cwd, env, outputs, new_session=False):
         self.args = [str(arg) for arg in args]
         script = next((arg for arg in self.args if arg.endswith(".py")), None)
         server = worker_server(script, env) if script else None
         self.started = tempfile.NamedTemporaryFile(prefix="workers-", suffix=".txt")
         self.process = AGENTS.Process(target=torchrun_agent, args=(
-            self.args, cwd, env, outputs, server, self.started.name))
+            self.args, cwd, env, outputs, server, self.started.name, new_session))
         self.process.start()
         self.pid = self.process.pid
 
@@ -137,10 +139,10 @@ class NewAgent(subprocess.Popen):
     """ForkedAgent where forks() is False: the torchrun command as a new process (Popen) writing
     to the files at outputs, and workers(), which finds them as a test did before forks."""
 
-    def __init__(self, command, cwd, env, outputs):
+    def __init__(self, command, cwd, env, outputs, new_session=False):
         with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
             super().__init__([str(arg) for arg in command], cwd=cwd, env=env, stdout=stdout,
-                             stderr=stderr)
+                             stderr=stderr, start_new_session=new_session)
 
     def workers(self):
         """{rank: pid} of its children with RANK in the environment they were started with: its
@@ -162,13 +164,11 @@ class NewAgent(subprocess.Popen):
 def forked_python(args, cwd, timeout, env):
     """`python script args` in cwd with env, forked from the script's server: (exit status,
     stdout, stderr); None when the server cannot run it (env is not its environment)."""
-    server = worker_server(args[0], env)
-    if not server:
+    if not worker_server(args[0], env):
         return None
     with tempfile.TemporaryDirectory() as logs:
         outputs = (os.path.join(logs, "stdout"), os.path.join(logs, "stderr"))
-        with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
-            process = ForkedWorker(server[0], args, env, cwd, stdout.fileno(), stderr.fileno())
+        process = start_python(args, cwd, env, outputs)
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -177,13 +177,26 @@ def forked_python(args, cwd, timeout, env):
         return (process.returncode, *read(outputs))
 
 
+def start_python(args, cwd, env, outputs):
+    """`python script args` in cwd with env, forked from the script's server and not waited for:
+    what a test uses of its Popen (pid, poll, wait, returncode), writing to the files at outputs
+    (stdout, stderr), in a session of its own (run_worker); None when the server cannot run it."""
+    server = worker_server(args[0], env)
+    if not server:
+        return None
+    with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
+        return ForkedWorker(server[0], args, env, cwd, stdout.fileno(), stderr.fileno())
+
+
 def read(outputs):
     return [Path(path).read_text(errors="replace") for path in outputs]
 
 
-def torchrun_agent(args, cwd, env, outputs, server, started):
+def torchrun_agent(args, cwd, env, outputs, server, started, new_session):
     """In the forked process: what `torchrun args` does, ending with its exit status. Each worker
     it starts adds a line `RANK pid` to the file `started`."""
+    if new_session:
+        os.setsid()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -20,6 +20,7 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     REPO,
+    TORCHRUN,
     full_state_of,
     processes_left,
     run_command,
@@ -28,6 +29,7 @@ from conftest import (
     t5_args,
     torchrun_command,
 )
+from forked_torchrun import ForkedAgent, NewAgent, forks, start_python
 
 FSDP2_SAVING = [*FSDP2_TINY, "--steps", 20, "--save-every", 5, "--checkpoint-dir", "ckpt"]
 FORMATS = {"full": [], "sharded": ["--checkpoint-format", "sharded"],
@@ -172,22 +174,40 @@ def test_t5_unfinished_export_that_cannot_go_stops_in_one_line(tmp_path, small_d
 
 
 def start(cwd, command):
-    """Start command in cwd in a session of its own (as a terminal's job), its output in files."""
-    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
-        return subprocess.Popen([str(c) for c in command], cwd=cwd, stdout=out, stderr=err,
-                                start_new_session=True)
+    """Start command (torchrun's, or `python script.py`'s) in cwd in a session of its own, as a
+    terminal starts a job (Ctrl-C signals its process group), its output in cwd/stdout.txt and
+    cwd/stderr.txt. Forked as run_command's runs are: importing torch and the script's modules is
+    3-7 s of CPU per process that starts anew (the suite is CPU-bound); with FSDP_TESTS_FORK=0,
+    new processes, as a user starts them."""
+    command, env = [str(c) for c in command], dict(os.environ)
+    outputs = (cwd / "stdout.txt", cwd / "stderr.txt")
+    for path in outputs:  # there to read at once (a forked agent opens them as it starts)
+        path.write_text("")
+    if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:  # workers() lists its workers
+        if forks(env):
+            return ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=True)
+        return NewAgent(command, cwd, env, outputs, new_session=True)
+    if forks(env) and command[0] == sys.executable and (
+            job := start_python(command[1:], cwd, env, outputs)):
+        return job
+    with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
+        return subprocess.Popen(command, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
 
 
 def interrupt_after(job, cwd, text, signum, to_group=True):
     """Send signum (to the job's process group, as Ctrl-C does, or to the launcher only) once
-    text is in its stdout; returns (exit status, stdout, stderr)."""
+    text is in its stdout; returns (exit status, stdout, stderr, the pids of torchrun's workers
+    that were in the group signalled: none, for a launcher that is not torchrun)."""
     deadline = time.monotonic() + 120
     while text not in (cwd / "stdout.txt").read_text():
         assert job.poll() is None and time.monotonic() < deadline, (cwd / "stderr.txt").read_text()
         time.sleep(0.05)
+    workers = job.workers().values() if hasattr(job, "workers") else []
+    in_group = [pid for pid in workers if os.getpgid(pid) == job.pid]
     (os.killpg if to_group else os.kill)(job.pid, signum)
     job.wait(timeout=60)
-    return job.returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+    return (job.returncode, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text(),
+            in_group)
 
 
 INTERRUPTED = re.compile(r"interrupted by (SIGINT|SIGTERM) at step (\d+); the last complete "
@@ -196,21 +216,24 @@ INTERRUPTED = re.compile(r"interrupted by (SIGINT|SIGTERM) at step (\d+); the la
 
 @pytest.mark.parametrize("launcher, signum, to_group", [
     ("torchrun", signal.SIGINT, True),
-    ("torchrun", signal.SIGINT, False),
     ("python", signal.SIGINT, True),
     ("python", signal.SIGTERM, False),
-], ids=["Ctrl-C under torchrun", "SIGINT to torchrun", "Ctrl-C under python",
-        "SIGTERM to python"])
+], ids=["Ctrl-C under torchrun", "Ctrl-C under python", "SIGTERM to python"])
 def test_fsdp2_interrupted(tmp_path, launcher, signum, to_group):
     """One line names the step and the checkpoint a rerun resumes from; no worker traceback; the
     exit status of a process killed by the signal (python; torchrun's own is 1); no asynchronous
-    save left without its marker; nothing left running; and the rerun resumes from it."""
+    save left without its marker; nothing left running; and the rerun resumes from it.
+
+    Ctrl-C under torchrun is also `kill -INT` of torchrun alone (once a case of its own, with the
+    same assertions): torchrun starts each worker in a session of its own, so its process group,
+    which Ctrl-C signals, holds none of them (asserted), and torchrun passes the signal on."""
     args = [*FSDP2_TINY, "--steps", 100_000, "--save-every", 3, "--checkpoint-dir", "ckpt",
             "--checkpoint-format", "sharded", "--async-checkpoint"]
     command = (torchrun_command("fsdp2_transformer.py", args, 2) if launcher == "torchrun" else
                [sys.executable, REPO / "fsdp2_transformer.py", *args, "--world-size", 2])
-    status, stdout, stderr = interrupt_after(start(tmp_path, command), tmp_path,
-                                             "step_000006", signum, to_group)
+    status, stdout, stderr, in_group = interrupt_after(start(tmp_path, command), tmp_path,
+                                                       "step_000006", signum, to_group)
+    assert in_group == []
     lines = [line for line in stderr.splitlines() if INTERRUPTED.search(line)]
     assert len(lines) == 1, stderr
     name, step, saved, path = INTERRUPTED.search(lines[0]).groups()
@@ -226,16 +249,21 @@ def test_fsdp2_interrupted(tmp_path, launcher, signum, to_group):
         complete_checkpoints(folder))
     assert processes_left(tmp_path) == []
     if launcher == "python" and signum == signal.SIGINT:
+        # The rerun: one step, enough to say where it resumed, saved without the background
+        # writers (a new Python each: 11 s of CPU for the two), which the interrupted run tested.
         args[args.index("--steps") + 1] = int(saved) + 1
+        args.remove("--async-checkpoint")
         resumed = run_command(torchrun_command("fsdp2_transformer.py", args, 2), tmp_path, 120)
         assert f"Resumed from {folder / f'step_{int(saved):06d}'} at step {saved}" in (
             resumed.stdout), resumed.output
 
 
 def test_mnist_interrupted_says_it_starts_over(tmp_path, mnist_dir):
+    """Ctrl-C of torchrun during an MNIST run: rank 0's line says that a rerun starts over (MNIST
+    keeps no checkpoint); torchrun's own traceback is the only one; nothing left running."""
     job = start(tmp_path, torchrun_command("ddp_mnist.py", ["--data-dir", mnist_dir, "--epochs",
                                                             100, *MNIST_TINY], 2))
-    status, stdout, stderr = interrupt_after(job, tmp_path, "Train Epoch: 1", signal.SIGINT)
+    status, stdout, stderr, _ = interrupt_after(job, tmp_path, "Train Epoch: 1", signal.SIGINT)
     assert "interrupted by SIGINT; MNIST runs keep no checkpoint: a rerun starts from epoch 1" in (
         stderr.splitlines()), stderr
     assert stderr.count("Traceback") == 1 and processes_left(tmp_path) == []
@@ -248,8 +276,8 @@ def test_t5_interrupted_under_python_says_where_to_resume(tmp_path, tiny_t5_dir,
     command = [sys.executable, REPO / "t5_fsdp_finetune.py",
                *t5_args(tiny_t5_dir, wikihow_dir, 1000), "--checkpoint-type", "sharded",
                "--save-dir", "ckpt", "--cpu"]
-    status, stdout, stderr = interrupt_after(start(tmp_path, command), tmp_path,
-                                             "Saved sharded checkpoint", signal.SIGINT)
+    status, stdout, stderr, _ = interrupt_after(start(tmp_path, command), tmp_path,
+                                                "Saved sharded checkpoint", signal.SIGINT)
     assert status == 128 + signal.SIGINT, stderr
     bars = re.compile(r"(r0 Training|Validation) Epoch")  # each loop's final progress bar
     said = [line for line in stderr.splitlines() if not bars.match(line)]
@@ -265,11 +293,13 @@ def test_a_bug_under_python_shows_its_traceback(tmp_path, mnist_dir, script):
     """An exception no safeguard knows (a bug put into main) in a process that `python SCRIPT.py`
     started: its traceback reaches stderr and the run exits 1. (mp.spawn keeps a worker's
     traceback for a join() that the launcher does not call: such a run ended with status 1 and
-    not a word.)"""
+    not a word.) One spawned worker shows it as well as two: each is a new Python, which imports
+    torch and the script's modules (3-7 s of CPU)."""
     copy = script_with_lines(script, tmp_path, "def main(args, device):\n",
                              "    raise ValueError('a bug that no safeguard knows')\n")
     args = ["--steps", 1] if script.startswith("fsdp2") else ["--data-dir", mnist_dir]
-    run = run_command([sys.executable, copy, "--cpu", *args], tmp_path, timeout=120)
+    run = run_command([sys.executable, copy, "--cpu", "--world-size", 1, *args], tmp_path,
+                      timeout=120)
     assert run.returncode == 1, run.output
     assert "Traceback (most recent call last)" in run.stderr, run.output
     assert "ValueError: a bug that no safeguard knows" in run.stderr, run.output

@@ -1,12 +1,16 @@
 """fsdp1_mnist.py and ddp_mnist.py, run for real on CPU (gloo) on the offline digits fixture."""
+import importlib
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import MNIST_TINY as TINY
 from conftest import REPO, SMOKE, run_command, warning_lines
 from digits_mnist import TEST_SIZE as MNIST_TEST
+
+sys.path.insert(0, str(REPO))  # the scripts' Net, for test_saved_model_loads_into_plain_net
 
 SCRIPTS = ["ddp_mnist.py", "fsdp1_mnist.py"]
 SMOKE_SCRIPTS = [pytest.param(script, marks=SMOKE(script)) for script in SCRIPTS]
@@ -131,26 +135,23 @@ def test_no_shard_prints_no_warning(mnist_run, nproc):
 
 @pytest.mark.parametrize("script", SMOKE_SCRIPTS)
 def test_saved_model_loads_into_plain_net(mnist_run, mnist_dir, script):
+    """The run's mnist_cnn.pt (no .tmp left) loads, weights only, into the script's plain Net, no
+    FSDP or DDP around it, which scores the run's accuracy on the whole test set. Loaded in the
+    test's process: a new Python would import torch and torchvision again (4-5 s of CPU)."""
+    from torchvision import datasets, transforms  # for this test only
+
     run = mnist_run(script, "--save-model")
     assert (run.cwd / "mnist_cnn.pt").exists() and not list(run.cwd.glob("*.tmp"))
-    evaluate = f"""
-import sys, torch
-from torchvision import datasets, transforms
-sys.path.insert(0, {str(REPO)!r})
-from {script[:-3]} import Net
-net = Net()
-net.load_state_dict(torch.load("mnist_cnn.pt", weights_only=True))
-net.eval()
-transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-test_set = datasets.MNIST({str(mnist_dir)!r}, train=False, transform=transform)
-images = torch.stack([image for image, _ in test_set])
-with torch.no_grad():
-    print((net(images).argmax(1) == test_set.targets).sum().item())
-"""
-    proc = subprocess.run([sys.executable, "-c", evaluate], cwd=run.cwd, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout) / MNIST_TEST == pytest.approx(run.metrics["accuracy"], abs=1e-9)
+    net = importlib.import_module(script[:-3]).Net()
+    net.load_state_dict(torch.load(run.cwd / "mnist_cnn.pt", weights_only=True))
+    net.eval()
+    normalize = transforms.Compose([transforms.ToTensor(),
+                                    transforms.Normalize((0.1307,), (0.3081,))])
+    test_set = datasets.MNIST(mnist_dir, train=False, transform=normalize)
+    images = torch.stack([image for image, _ in test_set])
+    with torch.no_grad():
+        correct = (net(images).argmax(1) == test_set.targets).sum().item()
+    assert correct / MNIST_TEST == pytest.approx(run.metrics["accuracy"], abs=1e-9)
 
 
 def test_fsdp_full_shard_halves_training_state(mnist_run):
@@ -159,12 +160,14 @@ def test_fsdp_full_shard_halves_training_state(mnist_run):
     assert fsdp <= 0.55 * ddp, (fsdp, ddp)
 
 
-def test_seed_changes_the_run(torchrun, mnist_dir, mnist_run):
-    """Another --seed, another initialization and data order. (That the same seed repeats a run
-    exactly is test_spawn_mode_repeats_the_torchrun_run.)"""
-    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--seed", 2)
-    assert result.returncode == 0, result.output
-    seed_1 = mnist_run("fsdp1_mnist.py", "--save-model").metrics["train_losses"][0]
+def test_seed_changes_the_run(mnist_run):
+    """Another --seed, another initialization and data order: another loss of the first batch.
+    One batch each (--dry-run) shows it as an epoch of 24 did: a dry run's loss is the initial
+    weights' on the first batch, taken before its one step. The seed-1 run is
+    test_dry_run_stops_after_one_batch's. (That the same seed repeats a run exactly is
+    test_spawn_mode_repeats_the_torchrun_run.)"""
+    result = mnist_run("fsdp1_mnist.py", "--dry-run", "--seed", 2, epochs=1)
+    seed_1 = mnist_run("fsdp1_mnist.py", "--dry-run", epochs=1).metrics["train_losses"][0]
     assert result.metrics["train_losses"][0] != pytest.approx(seed_1, rel=1e-4)
 
 
@@ -181,9 +184,8 @@ def test_lr_and_gamma_drive_the_optimizer(torchrun, mnist_dir, mnist_run, script
     assert len(test_lines) == 2 and test_lines[0] == test_lines[1], test_lines
 
 
-def test_dry_run_stops_after_one_batch(torchrun, mnist_dir):
-    result = torchrun("fsdp1_mnist.py", "--data-dir", mnist_dir, "--epochs", 1, *TINY, "--dry-run")
-    assert result.returncode == 0, result.output
+def test_dry_run_stops_after_one_batch(mnist_run):
+    result = mnist_run("fsdp1_mnist.py", "--dry-run", epochs=1)  # test_seed_changes_the_run's too
     # one batch of 100 per rank
     assert accuracy_lines(result.stdout) == [(result.metrics["accuracy"] * 200, 200)]
 
