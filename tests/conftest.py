@@ -19,7 +19,14 @@ import datasets
 import pytest
 import torch
 from digits_mnist import write_digits_mnist
-from forked_torchrun import SWITCH, forked_python, forked_torchrun, forks, torchrun_hook_as_expected
+from forked_torchrun import (
+    SWITCH,
+    cuda_devices,
+    forked_python,
+    forked_torchrun,
+    forks,
+    torchrun_hook_as_expected,
+)
 from tiny_wikihow import write_tiny_t5, write_wikihow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -320,7 +327,12 @@ def metrics_in(cwd):
 def pytest_terminal_summary(terminalreporter):
     """The one sign that forks() fell back to new processes by itself (no warning: the tests
     assert that runs print none)."""
-    if os.environ.get(SWITCH) != "0" and not torchrun_hook_as_expected():
+    if os.environ.get(SWITCH) == "0":
+        return
+    if cuda_devices():
+        terminalreporter.write_line("Every run was a new process: this machine has a CUDA device, "
+                                    "which a process forked after CUDA's start cannot use")
+    elif not torchrun_hook_as_expected():
         terminalreporter.write_line("Every run was a new process: torchrun's SubprocessHandler is "
                                     "not what tests/forked_torchrun.py expects (tests/README.md)")
 

@@ -22,8 +22,9 @@ as a terminal's job, whose process group Ctrl-C signals. This module stays small
 agent imports it.
 
 Every run is a new process instead (forks() is False; NewAgent stands for ForkedAgent) with
-FSDP_TESTS_FORK=0, or when torchrun's private hook is not what fork_workers_from replaces
-(hook_as_expected): the suite then passes as it would without this module, only slower.
+FSDP_TESTS_FORK=0, on a machine with a CUDA device (cuda_devices), or when torchrun's private
+hook is not what fork_workers_from replaces (hook_as_expected): the suite then passes as it would
+without this module, only slower.
 """
 import ast
 import atexit
@@ -54,9 +55,22 @@ HANDLER_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.s
 
 
 def forks(env):
-    """Whether a run with env is forked: not with FSDP_TESTS_FORK=0 in env, nor when torchrun's
-    hook is not what this module expects (then every run of the session is a new process)."""
-    return env.get(SWITCH) != "0" and torchrun_hook_as_expected()
+    """Whether a run with env is forked: not with FSDP_TESTS_FORK=0 in env, nor on a machine with
+    a CUDA device (cuda_devices), nor when torchrun's hook is not what this module expects (then
+    every run of the session is a new process)."""
+    return env.get(SWITCH) != "0" and not cuda_devices() and torchrun_hook_as_expected()
+
+
+@functools.cache
+def cuda_devices():
+    """The CUDA devices this machine has, counted without initializing CUDA (torch counts them
+    with NVML). Where there are any, every run is a new process: a process forked after CUDA was
+    initialized cannot use CUDA, and what a server imports may initialize it (on an H200, 8 of the
+    9 GPU tests failed in torch.cuda.set_device: "Cannot re-initialize CUDA in forked
+    subprocess"). A GPU machine has the cores that new processes need."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 @functools.cache

@@ -1,9 +1,11 @@
 """The suite's own machinery: a worker forked from a server (forked_torchrun.py) sees what a new
 Python process sees, under torchrun and under plain python, and ends the same way; with forks
-switched off (FSDP_TESTS_FORK=0), or torchrun's hook changed, every run is a new process."""
+switched off (FSDP_TESTS_FORK=0), torchrun's hook changed, or a CUDA device present, every run is
+a new process."""
 import functools
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -131,6 +133,18 @@ def test_when_torchruns_hook_changes_every_run_is_a_new_process(tmp_path, monkey
     assert not hook_as_expected(handler)
     check = functools.cache(forked_torchrun.torchrun_hook_as_expected.__wrapped__)
     monkeypatch.setattr(forked_torchrun, "torchrun_hook_as_expected", check)
+    run = run_command(torchrun_command("fsdp2_transformer.py", ["--help"], 2), tmp_path,
+                      timeout=60, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert run.returncode == 0 and run.stdout.count("usage:") == 2, run.output
+    assert torch_imports(run.stderr) == 3, run.stderr  # forked: 2 (new workers, as env differs)
+
+
+def test_where_a_cuda_device_is_every_run_is_a_new_process(tmp_path, monkeypatch):
+    """On a machine with a CUDA device (cuda_devices, made to say 1 here) run_command starts
+    torchrun and its workers as new processes: a worker forked from a server whose imports
+    initialized CUDA cannot use it (on an H200, 8 of the 9 GPU tests failed so)."""
+    monkeypatch.setattr(forked_torchrun, "cuda_devices", lambda: 1)
+    assert not forked_torchrun.forks(dict(os.environ))
     run = run_command(torchrun_command("fsdp2_transformer.py", ["--help"], 2), tmp_path,
                       timeout=60, env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert run.returncode == 0 and run.stdout.count("usage:") == 2, run.output
