@@ -150,9 +150,47 @@ class wikihow(Dataset):
     def __len__(self):
         return len(self.articles)
 
+    def references(self, tokenizer):
+        """The target summaries as the model learns them (cut to output_length), as text: what
+        ROUGE compares the generated ones with (as run_summarization.py decodes its labels)."""
+        ids = self.target_ids.masked_fill(self.target_ids == -100, tokenizer.pad_token_id)
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
     def __getitem__(self, index):
         if self.print_text:
             print("Input Text: ", self.articles[index][1])
         return {"source_ids": self.source_ids[index], "source_mask": self.source_mask[index],
                 "target_ids": self.target_ids[index], "target_mask": self.target_mask[index]}
 
+
+
+# ROUGE, the task's metric: the scores Hugging Face's run_summarization.py reports.
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+ROUGE_INSTALL = "pip install rouge_score==0.1.2"  # requirements.txt pins it
+
+
+def sentence_lines(text):
+    """text stripped, one sentence per line: ROUGE-Lsum scores the longest common subsequence
+    sentence by sentence, split at line breaks. run_summarization.py splits sentences with
+    nltk.sent_tokenize, whose punkt model is a separate download (nltk.download("punkt_tab"), not
+    possible offline); this split after '.', '!' or '?' and a space gives the same lines for
+    WikiHow's headlines, which are lists of short steps. (Abbreviations such as "e.g. " would be
+    split where punkt would not.)"""
+    return "\n".join(re.split(r"(?<=[.!?])\s+", text.strip()))
+
+
+def rouge_scores(predictions, references):
+    """ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum of predictions against references (lists of
+    texts, pair by pair), as run_summarization.py computes them: the rouge_score package's F-measure
+    with Porter stemming, on texts split into sentences (sentence_lines), averaged over the pairs
+    and given in percent. (Its `evaluate` metric reports the middle of bootstrap resamples of that
+    mean: close to it, but random.)"""
+    from rouge_score import rouge_scorer  # optional: needed only here (ROUGE_INSTALL)
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_KEYS, 0.0)
+    for prediction, reference in zip(predictions, references, strict=True):
+        scores = scorer.score(sentence_lines(reference), sentence_lines(prediction))
+        for key in ROUGE_KEYS:
+            totals[key] += scores[key].fmeasure
+    return {key: round(100 * total / max(len(predictions), 1), 4) for key, total in totals.items()}

@@ -52,8 +52,9 @@ FSDP2_SHARDED = [*FSDP2_TINY, "--dim", 128, "--steps", 20, "--checkpoint-dir", "
 T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31
 T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH,
            "--num-train-samples", 64, "--num-val-samples", T5_VAL_SAMPLES, "--lr", 0.01]
-# 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision
-T5_REFERENCE = ["--checkpoint-type", "sharded"]
+# 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision; --rouge: each epoch's summaries
+# generated (gathered once) and scored (tests/test_generation.py, check_export in test_t5.py)
+T5_REFERENCE = ["--checkpoint-type", "sharded", "--rouge"]
 
 
 def pytest_configure(config):
@@ -568,9 +569,11 @@ def lora_args(still_t5_dir, wikihow_dir, ranks, *args):
 
 @pytest.fixture(scope="session")
 def lora_reference(cached_torchrun, still_t5_dir, wikihow_dir):
-    """LoRA's reference run: FSDP2 on 2 ranks, with sharded checkpoints and its exports."""
+    """LoRA's reference run: FSDP2 on 2 ranks, with sharded checkpoints and its exports, and its
+    summaries generated and scored (--rouge)."""
     result = cached_torchrun("t5_fsdp_finetune.py", *lora_args(
-        still_t5_dir, wikihow_dir, 2, "--fsdp-version", 2, "--checkpoint-type", "sharded"))
+        still_t5_dir, wikihow_dir, 2, "--fsdp-version", 2, "--checkpoint-type", "sharded",
+        "--rouge"))
     assert result.returncode == 0, result.output
     return result
 

@@ -187,6 +187,13 @@ CASES = [  # id, script, args, what the error line must say
     ("T5 full fine-tuning checkpoint resumed with LoRA", "t5_fsdp_finetune.py",
      ["--resume", "{t5_checkpoint}", "--epochs", 2, *LORA],
      ["it was saved by full fine-tuning, not --lora-rank 8"]),
+    ("T5 ROUGE without validation", "t5_fsdp_finetune.py", ["--rouge", "--no-run-validation"],
+     ["--rouge scores summaries of the validation articles", "--no-run-validation"]),
+    ("T5 generation length 0", "t5_fsdp_finetune.py", ["--rouge", "--generation-max-length", 0],
+     ["--generation-max-length", "must be a positive integer of at most 16,384, got 0"]),
+    ("T5 generation options without ROUGE", "t5_fsdp_finetune.py",
+     ["--num-beams", 4, "--best-metric", "rougeL"],
+     ["--num-beams, --best-metric: for the summaries that --rouge generates; add --rouge"]),
     ("T5 LoRA resume onto another base", "t5_fsdp_finetune.py",
      ["--resume", "{lora_checkpoint}", "--epochs", 2, *LORA, "--model-name", "{untied_model}"],
      ["checkpoint-epoch-1: its adapters were trained on another base model than --model-name",
@@ -212,7 +219,8 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "T5 missing data and model", "T5 missing columns", "T5 header-only CSV",
                    "T5 directory without a model", "T5 BERT config",
                    "T5 LoRA targets that name no module", "T5 base dtype without LoRA",
-                   "T5 LoRA resume with another rank",
+                   "T5 LoRA resume with another rank", "T5 ROUGE without validation",
+                   "T5 generation length 0", "T5 generation options without ROUGE",
                    "T5 full fine-tuning checkpoint resumed with LoRA",
                    "T5 max tokens below one example"}
 # FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn

@@ -143,12 +143,23 @@ def loss(model):
                                    reduction="none")
     return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
 
+def summaries(model):  # every article's, greedy, in batches of 4: as the run generates them
+    texts = []
+    with torch.no_grad():
+        for i in range(0, len(val), 4):
+            ids = model.generate(input_ids=val.source_ids[i:i + 4], max_new_tokens=int(lengths[2]),
+                                 attention_mask=val.source_mask[i:i + 4])
+            texts += val_tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return texts
+
+val_tokenizer = T5Tokenizer.from_pretrained(base_dir)
 results = []
 for merged, adapter in zip(exports[::2], exports[1::2]):
     opened = T5ForConditionalGeneration.from_pretrained(merged)
     base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)  # as trained
+    with_adapters = PeftModel.from_pretrained(base, adapter)
     results.append({"merged": loss(opened), "dtype": str(opened.dtype),
-                    "adapter": loss(PeftModel.from_pretrained(base, adapter))})
+                    "adapter": loss(with_adapters), "summaries": summaries(with_adapters)})
 print(json.dumps(results))
 """
 
@@ -158,7 +169,9 @@ def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t
     """Each run's best model, exported both ways: the PEFT adapter directory
     (adapter_config.json, adapter_model.safetensors) that PeftModel.from_pretrained puts on the
     pretrained model, and the merged HF directory that from_pretrained opens without PEFT; both
-    give the logged validation loss (within 1e-4; with a bf16 base, in bf16, 1e-3)."""
+    give the logged validation loss (within 1e-4; with a bf16 base, in bf16, 1e-3). The
+    reference's (--rouge) adapters write, token for token, the summaries that its 2 ranks
+    generated in that epoch with the adapters of the sharded model."""
     runs = [lora_reference, lora_run(2, *FSDP1), lora_run(2, *BF16_FSDP2)]
     exports = [path for run in runs for path in (run.metrics["checkpoint"],
                                                  run.metrics["adapter"])]
@@ -173,6 +186,13 @@ def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t
         for export in ("adapter", "merged"):
             assert result[export] == pytest.approx(run.metrics["val_loss"],
                                                    abs=1e-3 if bf16 else 1e-4), result
+        best = [generated for generated in run.metrics["rouge_per_epoch"]  # the exported epoch's
+                if run.metrics["checkpoint"].endswith(f"-{generated['epoch']}-%.4f-hf"
+                                                      % run.metrics["val_loss"])]
+        assert len(best) == (run is lora_reference)
+        for generated in best:
+            with open(generated["predictions"], encoding="utf-8") as f:
+                assert result["summaries"] == [json.loads(line)["generated"] for line in f]
         adapter = run.metrics["adapter"]
         with open(f"{adapter}/adapter_config.json") as f:
             config = json.load(f)

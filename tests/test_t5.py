@@ -96,7 +96,7 @@ import json, sys, torch
 import torch.nn.functional as F
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 sys.path.insert(0, sys.argv[1])
-from summarization_dataset import wikihow
+from summarization_dataset import rouge_scores, wikihow
 hf_dir, pt_file, plain_dir, data_dir = sys.argv[2:6]
 tokenizer = T5Tokenizer.from_pretrained(hf_dir)
 model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
@@ -114,17 +114,21 @@ with torch.no_grad():
     token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
     # the mean over examples of token means
     val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
-    generated = model.generate(val.source_ids[:2], attention_mask=val.source_mask[:2],
-                               max_new_tokens=24)
-print(json.dumps({"val_loss": val_loss, "same": same,
-                  "summaries": tokenizer.batch_decode(generated, skip_special_tokens=True)}))
+    summaries = []  # of every article, in batches of 4, greedy: as the run generates them
+    for i in range(0, len(val), 4):
+        generated = model.generate(val.source_ids[i:i + 4], max_new_tokens=lengths[2],
+                                   attention_mask=val.source_mask[i:i + 4])
+        summaries += tokenizer.batch_decode(generated, skip_special_tokens=True)
+print(json.dumps({"val_loss": val_loss, "same": same, "summaries": summaries,
+                  "rouge": rouge_scores(summaries, val.references(tokenizer))}))
 """
 
 
 def check_export(run, tiny_t5_dir, wikihow_dir):
     """The run's best model, as .pt (where written) and as HF directory: they hold the same
     weights, the directory loads with from_pretrained and generates text, and it gives the logged
-    validation loss."""
+    validation loss. With --rouge, it writes token for token the summaries that the run generated
+    on its ranks in that epoch (predictions file), and rouge_score gives them the run's ROUGE."""
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
     command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH,
                OUTPUT_LENGTH]
@@ -134,8 +138,15 @@ def check_export(run, tiny_t5_dir, wikihow_dir):
     result = json.loads(proc.stdout)
     assert result["same"] is not False, "the .pt and the HF directory hold different weights"
     assert (result["same"] is None) == (pt_file is None)
-    assert all(summary.strip() for summary in result["summaries"]), result["summaries"]
+    assert all(summary.strip() for summary in result["summaries"][:2]), result["summaries"]
     assert result["val_loss"] == pytest.approx(run.metrics["val_loss"], abs=1e-3)
+    epoch = int(hf_dir.rsplit("/", 1)[1].split("-")[-3])  # T5-model-<date>-<epoch>-<loss>-hf
+    generated = {scores["epoch"]: scores for scores in run.metrics["rouge_per_epoch"]}
+    if generated:  # --rouge
+        with open(generated[epoch]["predictions"], encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f]
+        assert result["summaries"] == [row["generated"] for row in rows]
+        assert result["rouge"] == {key: generated[epoch][key] for key in result["rouge"]}
 
 
 @SMOKE("t5_fsdp_finetune.py")
