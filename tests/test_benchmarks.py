@@ -98,11 +98,21 @@ def test_a_failed_run_is_shown_and_fails_the_harness(harness):
 
 
 def test_lora_benchmark_runs_what_it_says():
-    """--only lora --dry-run: its commands, without writing or training the 198M model."""
+    """--only lora generation --dry-run: their commands, without writing or training the 198M
+    model. generation: FSDP1 and FSDP2, each with the parameters gathered once and block by
+    block, on 2 CPU ranks, the same model without </s> in its generation config."""
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "lora",
-                           "--dry-run"], capture_output=True, text=True, timeout=120)
+                           "generation", "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs = [line.split() for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    generation = [" ".join(run) for run in runs if "--rouge" in run]
+    runs = [run for run in runs if "--rouge" not in run]
+    assert sorted((run.split("--fsdp-version ")[1][0], run.split("--generate ")[1].split()[0])
+                  for run in generation) == [(v, way) for v in "12"
+                                             for way in ("by-block", "gathered")]
+    assert all("t5-base-shape-no-eos" in run and "--nproc_per_node 2" in run and "--cpu" in run
+               for run in generation)
     plans = [line.split() for line in proc.stdout.splitlines() if "--plan" in line]
     rows = {(run[run.index("--fsdp-version") + 1], "--lora-rank 16" in " ".join(run),
              "--base-dtype bf16" in " ".join(run), run[6].split("/")[-2]) for run in runs}

@@ -127,8 +127,14 @@ def test_rouge_rises_and_the_exports_write_the_same_summaries(cached_torchrun, s
     before, *afters = generate_in_a_plain_process(
         recall_dir, RECALL_ARTICLES, [still_t5_dir, *(run.metrics["checkpoint"] for run in runs)])
     for run, after in zip(runs, afters):
+        per_epoch = [epoch["rougeL"] for epoch in run.metrics["rouge_per_epoch"]]
         best = max(run.metrics["rouge_per_epoch"], key=lambda epoch: epoch["rougeL"])
         assert best_epoch(run) == best["epoch"] and run.metrics["best_rouge"] == best["rougeL"]
+        # an export at each new highest ROUGE-L, not at each new lowest loss (every epoch here)
+        records = [i for i, score in enumerate(per_epoch) if score > max(per_epoch[:i] or [-1])]
+        assert len(records) < RECALL_EPOCHS == len(run.metrics["val_losses"])
+        assert len(list(run.cwd.glob("T5-model-*-hf"))) == len(records)
+        assert run.stdout.count("-->>>> New rougeL Record: ") == len(records)
         assert before["rouge"]["rougeL"] < 10 and best["rougeL"] > 60, (before["rouge"], best)
         assert after["summaries"] == [row["generated"] for row in predictions(best["predictions"])]
         for key in ("rouge1", "rouge2", "rougeL", "rougeLsum"):

@@ -317,12 +317,16 @@ def test_no_strategy_prints_a_warning(t5_run, strategy):
 @pytest.mark.parametrize("strategy", list(STRATEGY_RUNS))
 def test_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strategy):
     """--plan, which reads only config.json, gives each strategy's training state per rank
-    (FSDP1's padded flat shards, their gradients and AdamW state) as measured, within 1%."""
+    (FSDP1's padded flat shards, their gradients and AdamW state) as measured, within 1%; and
+    what --rouge's generation adds per rank: the whole model (gathered), or the units training
+    gathers (by block). (benchmarks/README.md holds them against t5-base's shape.)"""
     epochs, options = STRATEGY_RUNS[strategy]
     measured = t5_run(*options, epochs=epochs).metrics["train_state_bytes"]
     plan = plan_of(SCRIPT, tmp_path, "--model-name", tiny_t5_dir, "--world-size", 2,
                    "--sharding-strategy", strategy)
     assert plan["train_state_bytes"] == pytest.approx(measured, rel=0.01)
+    assert plan["generation_gathered_bytes"] == 4 * plan["parameters"]  # fp32
+    assert plan["generation_by_block_bytes"] == plan["gathered_bytes"]
 
 
 # What autograd keeps from forward to backward in one training step of the tiny T5, computed as
