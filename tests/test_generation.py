@@ -3,10 +3,10 @@ with ROUGE (summarization_dataset.rouge_scores), and what a user checks them aga
 process generating with the exported model.
 
 The reference run (conftest's T5_REFERENCE: FSDP1, --generate gathered), FSDP2's FULL_SHARD run
-and LoRA's reference (FSDP2) generate too; tests/test_t5.py's check_export and
-tests/test_lora.py's export test hold their summaries against their exports. Here: the recall runs,
---generate by-block under each FSDP version, on articles whose summaries end far sooner on one
-rank than on the other."""
+(by-block, 4 batches a rank) and LoRA's reference (FSDP2, gathered) generate too;
+tests/test_t5.py's check_export and tests/test_lora.py's export test hold their summaries against
+their exports. Here: the recall runs, --generate by-block under each FSDP version, on articles
+whose summaries end far sooner on one rank than on the other."""
 import json
 import os
 import subprocess

@@ -692,11 +692,14 @@ AT_THE_DEFAULT_LR = ["--lr", 0.002, "--num-train-samples", 128]
 
 
 def strategy_run(t5_run, strategy, version):
-    """FULL_SHARD: the reference's options for 3 epochs; SHARD_GRAD_OP: FSDP1's run of
-    STRATEGY_RUNS without the BACKWARD_POST prefetch that FSDP2 refuses (it changes no loss), for
-    2. Both at the default lr, under --fsdp-version `version`."""
+    """FULL_SHARD: the reference's options for 3 epochs (FSDP2's summaries generated block by
+    block: 4 batches a rank, each a generate() whose encoder runs outside the root's hooks);
+    SHARD_GRAD_OP: FSDP1's run of STRATEGY_RUNS without the BACKWARD_POST prefetch that FSDP2
+    refuses (it changes no loss), for 2. Both at the default lr, under --fsdp-version `version`."""
     if strategy == "FULL_SHARD":
-        return t5_run(*T5_REFERENCE, *AT_THE_DEFAULT_LR, "--fsdp-version", version, epochs=3)
+        by_block = ["--generate", "by-block"] if version == 2 else []
+        return t5_run(*T5_REFERENCE, *AT_THE_DEFAULT_LR, "--fsdp-version", version, *by_block,
+                      epochs=3)
     options = STRATEGY_RUNS["SHARD_GRAD_OP"][1]
     return t5_run(*[o for o in options if o not in ("--backward-prefetch", "BACKWARD_POST")],
                   *AT_THE_DEFAULT_LR, "--fsdp-version", version, epochs=2)
