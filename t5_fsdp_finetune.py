@@ -556,7 +556,8 @@ class Checkpointer:
         state["val_losses"].append(val_loss)
         improved = last if val_loss is None else best is None or val_loss < best
         if self.best_by in (rouge or {}):  # --best-metric: the highest ROUGE score, not the loss
-            improved = rouge[self.best_by] > (state.get("best_rouge") or -1)
+            previous = state.get("best_rouge")  # None: no epoch scored yet
+            improved = previous is None or rouge[self.best_by] > previous
         if improved and val_loss is not None:
             state.update(best_val_loss=val_loss, best_rouge=(rouge or {}).get(self.best_by))
             rank0_print(f"-->>>> New Val Loss Record: {val_loss:.4f}" if self.best_by == "val_loss"
