@@ -632,17 +632,14 @@ def main(args, device):
     checkpointer.load(args.resume)
     check_before_training(args)  # --save-dir writable and locked; --overwrite
 
-    # 5. Per epoch: train, validate, step the learning rate; save the best model and a checkpoint.
+    # 5. Per epoch: train, (--rouge) judge the summaries, validate, step the learning rate; save
+    # the best model and a checkpoint.
     for epoch in log.epochs(range(checkpointer.state["epoch"] + 1, args.epochs + 1)):
         # Reseeded per epoch and rank: a resumed run's dropout draws what it would have drawn.
         torch.manual_seed(args.seed * 100_003 + epoch * 1_009 + dist.get_rank())
         train_loss = train(model, train_loader, optimizer, scaler, epoch, device,
                            max_tokens=args.max_tokens, bar=log.bar)
         log.trained()
-        val_loss = validation(model, val_loader, device, max_tokens=args.max_tokens,
-                              bar=log.bar) if val_loader else None
-        scheduler.step()
-        log.epoch_done(epoch, model, optimizer)  # its time, and memory
         rouge = None
         if args.rouge:  # the summaries judged: each rank generates its share, ROUGE scores them
             policy = POLICIES[precision] if args.fsdp_version == 1 else POLICIES_FSDP2[precision]
@@ -654,6 +651,10 @@ def main(args, device):
             rouge = rouge_scores(summaries, references)
             log.summaries(epoch, summaries, rouge, references=references,
                           run_name=checkpointer.run_name)  # its time; a few printed; a file
+        val_loss = validation(model, val_loader, device, max_tokens=args.max_tokens,
+                              bar=log.bar) if val_loader else None
+        scheduler.step()
+        log.epoch_done(epoch, model, optimizer)  # its time, and memory
         checkpointer.epoch_done(epoch, train_loss, val_loss, last=epoch == args.epochs, rouge=rouge)
 
     # 6. Report: throughput, time, memory, and the metrics file.
