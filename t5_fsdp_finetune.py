@@ -217,12 +217,9 @@ def shard_model(model, mesh, device, sharding_strategy, mp_policy, activation_ch
     if activation_checkpointing:  # as in wrap_model, but before sharding
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, T5Block),
                                        checkpoint_wrapper_fn=NON_REENTRANT)
-    for module in (*model.encoder.block, *model.decoder.block):  # PEFT passes .encoder on
+    for module in (*model.encoder.block, *model.decoder.block, model):  # PEFT passes .encoder on
         fully_shard(module, mesh=mesh, mp_policy=mp_policy,
                     reshard_after_forward=sharding_strategy != "SHARD_GRAD_OP")  # ZeRO-2: False
-    # The root keeps its parameters from forward to backward (FSDP2's default for the root), and
-    # through generate(), whose encoder runs outside the root's hooks (ready_to_generate).
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if broadcast_from_rank0 or weights:
         model.to_empty(device=device)  # this rank's shards get memory; tied ones stay one tensor
     if weights:
@@ -382,9 +379,10 @@ def ready_to_generate(model, gather_once=True, dtype=None):
     elif isinstance(model, FSDP):
         with FSDP.summon_full_params(model, recurse=False, writeback=False):
             yield model
-    else:  # FSDP2
-        model.unshard()  # the root's group only (not recursive)
+    else:  # FSDP2: the root's group (not recursive) gathered as each generate() starts encoding
+        hook = model.get_encoder().register_forward_pre_hook(lambda *_: model.unshard())
         yield model
+        hook.remove()
         model.reshard()
 
 
