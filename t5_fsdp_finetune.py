@@ -630,6 +630,7 @@ def main(args, device):
     checkpointer.load(args.resume)
     check_before_training(args)  # --save-dir writable and locked; --overwrite
 
+    references = val_set.references(tokenizer) if args.rouge else None  # the targets, as text
     # 5. Per epoch: train, (--rouge) judge the summaries, validate, step the learning rate; save
     # the best model and a checkpoint.
     for epoch in log.epochs(range(checkpointer.state["epoch"] + 1, args.epochs + 1)):
@@ -645,7 +646,6 @@ def main(args, device):
                 model, val_loader, tokenizer, device, gather_once=args.generate == "gathered",
                 dtype=policy.param_dtype, num_beams=args.num_beams,
                 max_new_tokens=args.generation_max_length or args.output_length)
-            references = val_set.references(tokenizer)  # the target summaries, as text
             rouge = rouge_scores(summaries, references)
             log.summaries(epoch, summaries, rouge, references=references,
                           run_name=checkpointer.run_name)  # its time; a few printed; a file
