@@ -1403,6 +1403,8 @@ class EpochLog(Report):
         so far: what loading and wrapping the model cost it. Returns the log."""
         self.train_loader, self.val_loader = train_loader, val_loader
         self.train_times, self.epoch_times, self.generated = [], [], []
+        if self.args.rouge:  # nltk (2 s, with scipy) imported now, not in epoch 1's ROUGE time
+            importlib.import_module("rouge_score.rouge_scorer")
         # bar's: ranks kept in step; with --max-tokens also in each step's forwards (a rank's count
         # varies there), which costs a check-in each. Made first, before "FSDP built": once, a peer
         # stopped then (tests/test_faults.py's hung peer) left rank 0 in the new group's set-up
