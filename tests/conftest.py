@@ -53,8 +53,11 @@ T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, T5_VAL_SAMPLES = 64, 24, 31
 T5_TINY = ["--input-length", T5_INPUT_LENGTH, "--output-length", T5_OUTPUT_LENGTH,
            "--num-train-samples", 64, "--num-val-samples", T5_VAL_SAMPLES, "--lr", 0.01]
 # 3 epochs, default FULL_SHARD, BACKWARD_PRE, auto precision; --rouge: each epoch's summaries
-# generated (gathered once) and scored (tests/test_generation.py, check_export in test_t5.py)
-T5_REFERENCE = ["--checkpoint-type", "sharded", "--rouge"]
+# generated (gathered once) and scored (tests/test_generation.py, check_export in test_t5.py).
+# T5_SHARDED: the runs that resume from the reference's checkpoints or compare its losses only
+# (generating costs a run 3-4 s, and its losses do not change).
+T5_SHARDED = ["--checkpoint-type", "sharded"]
+T5_REFERENCE = [*T5_SHARDED, "--rouge"]
 
 
 def pytest_configure(config):

@@ -191,6 +191,9 @@ CASES = [  # id, script, args, what the error line must say
      ["--rouge scores summaries of the validation articles", "--no-run-validation"]),
     ("T5 generation length 0", "t5_fsdp_finetune.py", ["--rouge", "--generation-max-length", 0],
      ["--generation-max-length", "must be a positive integer of at most 16,384, got 0"]),
+    ("T5 ROUGE without rouge_score", "t5_fsdp_finetune.py", ["--rouge"],
+     ["--rouge needs the rouge_score package, which is not installed",
+      "pip install rouge_score=="]),
     ("T5 generation options without ROUGE", "t5_fsdp_finetune.py",
      ["--num-beams", 4, "--best-metric", "rougeL"],
      ["--num-beams, --best-metric: for the summaries that --rouge generates; add --rouge"]),
@@ -221,11 +224,18 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "T5 LoRA targets that name no module", "T5 base dtype without LoRA",
                    "T5 LoRA resume with another rank", "T5 ROUGE without validation",
                    "T5 generation length 0", "T5 generation options without ROUGE",
+                   "T5 ROUGE without rouge_score",
                    "T5 full fine-tuning checkpoint resumed with LoRA",
                    "T5 max tokens below one example"}
 # FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn
 PYTHON_LAUNCHED |= {name for name, *_ in CASES
                     if name.startswith("T5 FSDP2 --") and "NO_SHARD" not in name}
+
+
+# What a case's processes have in their environment besides the test's ({placeholders} as in the
+# arguments). rouge_score missing: a package of that name first on the path, which fails to import.
+ENVIRONMENTS = {"T5 ROUGE without rouge_score": {"PYTHONPATH": "{rouge_score_shadow}",
+                                                 "PYTHONDONTWRITEBYTECODE": "1"}}
 
 
 def make_dir(path):
@@ -299,6 +309,13 @@ def fewer_labels(data):
     return data[:4] + (count - 5).to_bytes(4, "big") + data[8:-5]
 
 
+def failing_package(folder, name):
+    """folder, holding a package `name` whose import fails as a missing one's does."""
+    (folder / name).mkdir(parents=True)
+    (folder / name / "__init__.py").write_text(f"raise ImportError('No module named {name}')\n")
+    return folder
+
+
 def copy_without(source, dest, names):
     """A copy of source without the files named."""
     return shutil.copytree(source, dest, ignore=lambda folder, found: set(found) & names)
@@ -343,6 +360,7 @@ INPUTS = {
         shutil.copytree(f("t5_reference").cwd / "checkpoint-epoch-1", tmp / "checkpoint-epoch-1"),
         "trainer_state.json", epoch=-1),
     "locked": lambda tmp, f: locked_by_this_process(tmp / "locked"),
+    "rouge_score_shadow": lambda tmp, f: failing_package(tmp / "shadow", "rouge_score"),
     "t5_without_tokenizer": lambda tmp, f: copy_without(
         f("tiny_t5_dir"), tmp / "no_tokenizer", {"tokenizer.json", "tokenizer_config.json",
                                                  "special_tokens_map.json", "spiece.model"}),
@@ -396,15 +414,16 @@ def start_early(request):
         folder = request.getfixturevalue("tmp_path_factory").mktemp("bad_input")
         inputs = Inputs(folder, request.getfixturevalue)  # made here: they load fixtures
         command = [str(a).format_map(inputs) for a in [*BASE_ARGS[script], *args]]
+        env = {key: value.format_map(inputs) for key, value in ENVIRONMENTS.get(name, {}).items()}
         launch = ([sys.executable, REPO / script, *command] if name in PYTHON_LAUNCHED
                   else torchrun_command(script, command, 2))
-        RUNS[name] = pool.submit(run_case, launch, folder, folder_state(folder))
+        RUNS[name] = pool.submit(run_case, launch, folder, folder_state(folder), env)
     pool.shutdown(wait=False)
 
 
-def run_case(command, folder, before):
+def run_case(command, folder, before, env):
     start = time.perf_counter()
-    result = run_command(command, folder, timeout=60)
+    result = run_command(command, folder, timeout=60, env=env)
     return result, time.perf_counter() - start, before, folder_state(folder)
 
 

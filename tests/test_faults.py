@@ -13,7 +13,7 @@ import torch
 from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
-    T5_REFERENCE,
+    T5_SHARDED,
     TORCHRUN,
     TORCHRUN_REPORT,
     checkpoint_writers,
@@ -209,7 +209,7 @@ def test_t5_killed_after_an_epoch_restarts_from_its_sharded_checkpoint(tmp_path,
     checkpoint is complete; the restarted run goes on from it and saves the uninterrupted run's
     epoch-2 model."""
     agent = launch(tmp_path, "t5_fsdp_finetune.py",
-                   *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_REFERENCE),
+                   *t5_args(tiny_t5_dir, wikihow_dir, 2, *T5_SHARDED),
                    "--resume", "auto", max_restarts=1)
     try:
         ranks = running_workers(agent)

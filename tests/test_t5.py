@@ -15,6 +15,7 @@ from conftest import (
     REPO,
     SMOKE,
     T5_REFERENCE,
+    T5_SHARDED,
     T5_TINY,
     plan_of,
     run_command,
@@ -169,7 +170,7 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(t5_reference, torchr
     run did: the same losses, bit for bit (dropout is reseeded per epoch)."""
     epoch_2 = shutil.copytree(t5_reference.cwd / "checkpoint-epoch-2",
                               tmp_path / "ckpt" / "checkpoint-epoch-2")
-    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE), "--resume",
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_SHARDED), "--resume",
                    "auto", "--save-dir", "ckpt")
     assert run.returncode == 0, run.output
     assert re.search(rf"Resumed from \S*{epoch_2.relative_to(tmp_path)} \(epoch 2 done\)",
@@ -692,13 +693,14 @@ AT_THE_DEFAULT_LR = ["--lr", 0.002, "--num-train-samples", 128]
 
 
 def strategy_run(t5_run, strategy, version):
-    """FULL_SHARD: the reference's options for 3 epochs (FSDP2's summaries generated block by
-    block: 4 batches a rank, each a generate() whose encoder runs outside the root's hooks);
-    SHARD_GRAD_OP: FSDP1's run of STRATEGY_RUNS without the BACKWARD_POST prefetch that FSDP2
-    refuses (it changes no loss), for 2. Both at the default lr, under --fsdp-version `version`."""
+    """FULL_SHARD: the reference's sharded checkpoints for 3 epochs (FSDP2's run also generates its
+    summaries block by block: 4 batches a rank, each a generate() whose encoder runs outside the
+    root's hooks); SHARD_GRAD_OP: FSDP1's run of STRATEGY_RUNS without the BACKWARD_POST prefetch
+    that FSDP2 refuses (it changes no loss), for 2. Both at the default lr, under --fsdp-version
+    `version`."""
     if strategy == "FULL_SHARD":
-        by_block = ["--generate", "by-block"] if version == 2 else []
-        return t5_run(*T5_REFERENCE, *AT_THE_DEFAULT_LR, "--fsdp-version", version, *by_block,
+        by_block = ["--rouge", "--generate", "by-block"] if version == 2 else []
+        return t5_run(*T5_SHARDED, *AT_THE_DEFAULT_LR, "--fsdp-version", version, *by_block,
                       epochs=3)
     options = STRATEGY_RUNS["SHARD_GRAD_OP"][1]
     return t5_run(*[o for o in options if o not in ("--backward-prefetch", "BACKWARD_POST")],
@@ -746,7 +748,7 @@ def test_sharded_checkpoints_cross_between_fsdp_versions(t5_run, torchrun, tmp_p
     one and trains epoch 3 as the run that wrote it did."""
     writer = strategy_run(t5_run, "FULL_SHARD", version=3 - version)
     shutil.copytree(writer.cwd / "checkpoint-epoch-2", tmp_path / "ckpt" / "checkpoint-epoch-2")
-    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_REFERENCE, *AT_THE_DEFAULT_LR),
+    run = torchrun(SCRIPT, *t5_args(tiny_t5_dir, wikihow_dir, 3, *T5_SHARDED, *AT_THE_DEFAULT_LR),
                    "--fsdp-version", version, "--resume", "auto", "--save-dir", "ckpt")
     assert run.returncode == 0, run.output
     assert "(epoch 2 done)" in run.stdout and run.metrics["fsdp_version"] == version
@@ -804,7 +806,7 @@ def test_fsdp2_at_other_world_sizes_gives_the_same_losses(cached_torchrun, still
                                                           wikihow_dir, ranks):
     """Without dropout and with the same global batch, FSDP2 on 1 and on 2 ranks gives FSDP1's
     2-rank losses within 1e-5 (HSDP on 2 x 2: tests/test_two_nodes.py)."""
-    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_REFERENCE))
+    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_SHARDED))
     run = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, ranks, *V2,
                                               "--no-save-model"), nproc=ranks)
     assert fsdp1.returncode == 0 and run.returncode == 0, fsdp1.output + run.output
@@ -816,9 +818,9 @@ def test_fsdp1_checkpoint_resumes_under_fsdp2_on_one_rank(cached_torchrun, torch
                                                           still_t5_dir, wikihow_dir):
     """FSDP1's 2-rank epoch-1 checkpoint resumed by FSDP2 on 1 rank (DCP reshards it) trains epoch 2
     as the 2-rank run did, within 1e-5."""
-    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_REFERENCE))
+    fsdp1 = cached_torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 2, *T5_SHARDED))
     shutil.copytree(fsdp1.cwd / "checkpoint-epoch-1", tmp_path / "ckpt" / "checkpoint-epoch-1")
-    run = torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 1, *T5_REFERENCE, *V2),
+    run = torchrun(SCRIPT, *still_args(still_t5_dir, wikihow_dir, 1, *T5_SHARDED, *V2),
                    "--resume", "auto", "--save-dir", "ckpt", nproc=1)
     assert run.returncode == 0, run.output
     for key in ("train_losses", "val_losses"):
