@@ -437,6 +437,18 @@ class AsyncCheckpointer(Checkpointer):
             use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
             use_non_blocking_copy=cuda))
         self.pending, self.staging, self.hook = None, None, None  # the write, the copy, the wait
+        self.ahead = None  # stage_ahead's copy
+
+    def stage_ahead(self, model, optimizer):
+        """The host memory of the saves' copies, allocated beside training, not in the first save's
+        pause (a GPU's pinned memory: seconds per GB): after the next optimizer step (AdamW's state
+        exists then), a copy of the state in the stager's thread, thrown away; the stager keeps its
+        memory, tensor by tensor, and every save copies into it."""
+        def after_step(*_):
+            hook.remove()
+            self.ahead = self.stager.stage(sharded_state(model, optimizer))
+
+        hook = optimizer.register_step_post_hook(after_step)
 
     def save(self, model, optimizer, step):
         self.wait()  # one save at a time
@@ -463,8 +475,12 @@ class AsyncCheckpointer(Checkpointer):
             staging.result()
 
     def wait(self):
-        """Wait for the last save's copy, background write and marking; raises their error."""
+        """Wait for the last save's copy, background write and marking (and stage_ahead's copy);
+        raises their error."""
         self.wait_for_staging()
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.result()
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
@@ -590,6 +606,8 @@ def main(args, device):
                                            dcp_api=args.dcp_api)
     if checkpointer and not args.no_resume:
         start_step = checkpointer.load(model, optimizer)  # (the newest complete one, or none)
+    if args.async_checkpoint:
+        checkpointer.stage_ahead(model, optimizer)  # the saves' host memory, beside the first step
 
     # 5. Fault tolerance (--fault-tolerance): a replica group of a torchft job; train_step steps
     #    torchft's optimizer, which steps this one where the step commits.
@@ -751,6 +769,7 @@ from safe_launch import (
     add_run_flags,
     agree_on_error,
     aligned,
+    check_compile,
     check_outputs,
     fail,
     folder_number,
@@ -865,15 +884,7 @@ def check_flags(args, device, world_size):
         if problem:
             fail(problem)
     if args.compile:  # fail now, in one line, rather than at the first step
-        # Workaround: on a machine with a CUDA toolkit but no GPU, inductor's first import of
-        # torch.utils.cpp_extension logs "No CUDA runtime is found, using CUDA_HOME=..." on every
-        # rank (torch 2.14), which says nothing about a CPU run. Remove when it no longer does.
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-        try:
-            torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
-        except Exception as e:
-            fail(f"--compile: torch.compile cannot build code here ({str(e).strip()[:200]}); "
-                 "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
+        check_compile(device)
 
 
 def check_sizes(args, world_size, ranks_per_node):
@@ -1428,7 +1439,6 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
     background = " (in the background)"
 
     def __init__(self, folder, config):
-        self.staged_bytes, self.shared_before = [], shared_memory_bytes()
         super().__init__(folder, config)
         self.stager = FiniteStager(self.stager)  # the divergence check runs with the copy
         self.start_writers()
@@ -1466,12 +1476,21 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
         step's wait for the copy, as recorded so far (that step may still be waiting)."""
         return self.pauses[-1]
 
+    def stage_ahead(self, model, optimizer):
+        """The lesson's: the stager's first copy is then stage_ahead's, which it reports."""
+        self.stager.ahead = True
+        super().stage_ahead(model, optimizer)
+
     def figures(self):
-        """The saves' figures, and each copy's bytes of shared memory, seconds (its check
-        included) and tensors in newly allocated host memory."""
-        return {**super().figures(), "checkpoint_staging_bytes": self.staged_bytes,
-                "checkpoint_staging_s": self.stager.seconds,
-                "checkpoint_staging_new_tensors": self.stager.new_tensors}
+        """The saves' figures, and each copy's new shared memory (bytes), seconds (its check
+        included) and tensors in newly allocated host memory: stage_ahead's apart."""
+        stager, ahead = self.stager, int(self.stager.ahead)
+        copies = [dict(zip(("bytes", "s", "new_tensors"), copy)) for copy in zip(
+            stager.grown, stager.seconds, stager.new_tensors)]
+        return {**super().figures(), "checkpoint_staging_bytes": stager.grown[ahead:],
+                "checkpoint_staging_s": stager.seconds[ahead:],
+                "checkpoint_staging_new_tensors": stager.new_tensors[ahead:],
+                "checkpoint_staged_ahead": copies[0] if ahead and copies else None}
 
     def wait_for_staging(self, *hook_args):
         """The lesson's, and a failed copy stops every rank in one line. Called as the optimizer's
@@ -1491,9 +1510,6 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
                 self.stop(next(error for error in errors if error))
             if hook_args:
                 self.pauses[-1] += time.perf_counter() - started
-            held = shared_memory_bytes()  # the staged copy, in shared memory
-            self.staged_bytes.append(held - self.shared_before)
-            self.shared_before = held
 
     def wait(self):
         """The lesson's wait, the ranks in step: while a rank's background write is under way,
@@ -1648,7 +1664,8 @@ class FiniteStager(AsyncStager):
 
     def __init__(self, stager):
         self.stager, self.checking = stager, ThreadPoolExecutor(max_workers=1)
-        self.seconds = []  # each save's check and copy
+        self.seconds, self.grown = [], []  # each copy's check and copy; its new shared memory
+        self.ahead = False  # the first copy is AsyncCheckpointer.stage_ahead's
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.buffers = None  # torch < 2.13: the host memory every copy goes to (STAGER_REUSABLE)
         # Per copy, its tensors not in the first copy's memory (held: no new allocation can get
@@ -1660,7 +1677,7 @@ class FiniteStager(AsyncStager):
 
     def check_then_stage(self, state_dict):
         # The parameters stay as they are until the next optimizer step, which waits for this.
-        started = time.perf_counter()
+        started, shared = time.perf_counter(), shared_memory_bytes()
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
             bad = sum((~torch.isfinite(t)).any() for t in tensors_of(state_dict["model"]))
             if bad:
@@ -1671,7 +1688,13 @@ class FiniteStager(AsyncStager):
         else:
             staged = self.copy_to_buffers(state_dict)
         self.seconds.append(time.perf_counter() - started)
+        self.grown.append(shared_memory_bytes() - shared)
         self.count_new_tensors(staged)
+        if self.ahead and len(self.seconds) == 1:
+            rank0_print(f"Staged ahead: {self.grown[0] / 2**20:,.1f} MiB of shared host memory "
+                        + ("(pinned) " if self.stream else "") + "for the checkpoints' copies, "
+                        f"allocated and filled in {self.seconds[0]:.2f} s beside training (rank "
+                        "0's); every save copies into it")
         return staged
 
     def copy_to_buffers(self, state_dict):

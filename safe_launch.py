@@ -25,6 +25,7 @@ import fcntl
 import gc
 import glob
 import json
+import logging
 import math
 import multiprocessing.connection
 import os
@@ -567,6 +568,20 @@ def state_bytes(state):
 
 
 # -------------------------------------------------------------------------------------- divergence
+def check_compile(device):
+    """--compile (fsdp2_transformer.py, t5_fsdp_finetune.py): a function compiled and run on device
+    now, so that a machine that cannot build code fails in one line, not at the first step."""
+    # Workaround: on a machine with a CUDA toolkit but no GPU, inductor's first import of
+    # torch.utils.cpp_extension logs "No CUDA runtime is found, using CUDA_HOME=..." on every
+    # rank (torch 2.14), which says nothing about a CPU run. Remove when it no longer does.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(2, device=device))
+    except Exception as e:
+        fail(f"--compile: torch.compile cannot build code here ({str(e).strip()[:200]}); "
+             "install a C++ compiler (CPU) or Triton (GPU), or drop --compile")
+
+
 def stop_if_diverged(where, tensors, advice):
     """Fail on every rank, in one line, if any of the tensors (a loss, or a model's parameters) is
     NaN or infinite on any rank: a diverged run must not go on, nor save what it has become."""

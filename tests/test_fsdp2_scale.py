@@ -67,20 +67,25 @@ def test_sharded_checkpoint_files_hold_half_the_state(fsdp2_sharded_reference,
     assert f"Saved checkpoint {sharded} (in the background)" in fsdp2_sharded_reference.stdout
 
 
-def test_async_saves_reuse_their_staging_memory_and_all_complete(fsdp2_sharded_reference):
-    """--async-checkpoint copies the shards into shared host memory allocated at the first save
-    and reused by the next (the process's shared memory does not grow again), one pause per save;
-    the save still in flight when the run ends is waited for: every folder is complete."""
-    metrics = fsdp2_sharded_reference.metrics
-    first, *later = metrics["checkpoint_staging_bytes"]
+def test_async_saves_copy_into_memory_staged_ahead_and_all_complete(fsdp2_sharded_reference):
+    """--async-checkpoint allocates the copies' shared host memory beside training, after the first
+    step (stage_ahead), not in the first save's pause: every save copies into it (the process's
+    shared memory does not grow at any save, no tensor of a save lies outside it), one pause per
+    save; the save still in flight when the run ends is waited for: every folder is complete."""
+    metrics, stdout = fsdp2_sharded_reference.metrics, fsdp2_sharded_reference.stdout
+    ahead = metrics["checkpoint_staged_ahead"]
     # this rank's parameters and AdamW's two moments: 3/4 of its parameters + gradients + moments,
     # each tensor (and each AdamW step count) in whole pages of shared memory
-    tensors = 4 * int(re.search(r"All (\d+) parameters", fsdp2_sharded_reference.stdout)[1])
-    assert 0.74 < first / metrics["train_state_bytes"] and later == [0], first
-    # counted, not measured: the second copy's tensors all lie in the first copy's memory
-    new_tensors = metrics["checkpoint_staging_new_tensors"]
-    assert new_tensors[0] > 0 and new_tensors[1:] == [0], new_tensors
-    assert first <= 0.75 * metrics["train_state_bytes"] + 4096 * tensors, first
+    tensors = 4 * int(re.search(r"All (\d+) parameters", stdout)[1])
+    assert 0.74 < ahead["bytes"] / metrics["train_state_bytes"], ahead
+    assert ahead["bytes"] <= 0.75 * metrics["train_state_bytes"] + 4096 * tensors, ahead
+    # counted, not measured: each save's tensors all lie in stage_ahead's memory
+    assert ahead["new_tensors"] > 0 and metrics["checkpoint_staging_new_tensors"] == [0, 0]
+    assert metrics["checkpoint_staging_bytes"] == [0, 0], metrics["checkpoint_staging_bytes"]
+    line = re.search(r"Staged ahead: ([\d.,]+) MiB of shared host memory for the checkpoints' "
+                     r"copies, allocated and filled in (\d+\.\d\d) s beside training", stdout)
+    assert line and float(line[1].replace(",", "")) == round(ahead["bytes"] / 2**20, 1), stdout
+    assert stdout.index(line[0]) < stdout.index("Saved checkpoint"), stdout
     assert len(metrics["checkpoint_stall_s"]) == 2
     folder = fsdp2_sharded_reference.cwd / "ckpt"
     assert sorted(p.name for p in folder.iterdir()) == ["step_000010", "step_000020"]

@@ -74,7 +74,12 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # once per rank, or the root's parameters gathered for a generate that bypasses the root's hooks),
 # plain_model shared with export_model (+5),
 # main's step 5 (12: generate, score, log), the Checkpointer's best by ROUGE (7), a flags line (1).
-BUDGETS = {"fsdp2_transformer.py": 715, "t5_fsdp_finetune.py": 750, "fsdp1_mnist.py": 250,
+# Issue 60 (40 a lesson) so far: fsdp2's AsyncCheckpointer.stage_ahead, the saves' host memory
+# allocated beside the first steps, not in the first save's pause (12, with its attribute), wait()
+# for it (4), main's call (2): 715 -> 733. T5's --compile: each block compiled before sharding (3),
+# generate_summaries eager (2: a compiled block would compile anew for every cache length), the
+# flag (2): 750 -> 757.
+BUDGETS = {"fsdp2_transformer.py": 733, "t5_fsdp_finetune.py": 757, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).
