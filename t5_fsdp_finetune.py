@@ -392,7 +392,9 @@ def generate_summaries(model, loader, tokenizer, device, gather_once=True, dtype
     DistributedSampler repeats (to even out the ranks' batches) count once."""
     model.eval()
     indices, summaries = list(loader.sampler), {}
-    with torch.no_grad(), ready_to_generate(model, gather_once, dtype) as generator:
+    # Eager: a compiled block (--compile) would compile again for each length the cache grows to.
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"), ready_to_generate(
+            model, gather_once, dtype) as generator:
         for batch in loader:
             # Block by block, a rank whose summaries end first runs forwards until every rank's
             # have (synced_gpus): each forward's all-gathers pair up with the other ranks'.
@@ -597,6 +599,9 @@ def main(args, device):
     val_loader = rank_loader(val_set, args.test_batch_size, device) if val_set else None
 
     # 2. Shard the model, one unit per T5Block: FSDP1's wrapper, or FSDP2 (--fsdp-version 2).
+    #    --compile: each block compiled first, in place (its names stay), as fsdp2_transformer.py.
+    for block in (*model.encoder.block, *model.decoder.block) if args.compile else []:
+        block.compile(dynamic=False)  # static: every batch padded to --input/--output-length
     strategy, precision = check_sharding_flags(args, device)  # what this world and device allow
     mesh = device_mesh(device, hybrid=strategy == "HYBRID_SHARD")
     with sharding_workarounds(model, device, weights=weights, from_rank0=from_rank0):
@@ -614,9 +619,10 @@ def main(args, device):
                                 broadcast_from_rank0=from_rank0, weights=weights)
     log = EpochLog(args, device).begin(model, train_loader, val_loader)  # FSDP's units, memory
 
-    # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters).
+    # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters);
+    #    fused on CUDA: one kernel steps every tensor.
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = optim.AdamW(trained, lr=args.lr)
+    optimizer = optim.AdamW(trained, lr=args.lr, fused=device.type == "cuda")
     if lora and args.fsdp_version == 1:  # FSDP1 leaves the adapters whole (wrap_model)
         optimizer.register_step_pre_hook(lambda *_: average_gradients(trained))
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
@@ -719,6 +725,8 @@ def parse_args(argv=None):
              "unsupported")
     add("--activation-checkpointing", action="store_true",
         help="recompute each T5Block's activations in backward instead of storing them")
+    add("--compile", action="store_true", help="torch.compile each T5Block before sharding, for "
+        "one shape: fewer, fused kernels (FSDP2; the first steps compile; summaries: eager)")
     add("--limit-all-gathers", action=on_off, help="rate-limit FSDP1's all-gathers so that "
         "prefetching cannot exhaust GPU memory (default: on; FSDP2 limits its own, and refuses it)")
     add("--cpu-ram-efficient-loading", action="store_true",
@@ -776,6 +784,7 @@ from safe_launch import (
     add_run_flags,
     agree_on_error,
     aligned,
+    check_compile,
     check_outputs,
     fail,
     folder_number,
@@ -862,6 +871,14 @@ def check_flags(args, device, world_size):
         fail("--resume auto resumes from the checkpoints of --checkpoint-type sharded")
     check_fsdp2_flags(args)
     check_rouge_flags(args)
+    if args.compile and args.fsdp_version == 1:  # (torch 2.14: dynamo breaks each graph there)
+        fail("--compile: torch.compile cannot trace FSDP1's units (flat parameters, "
+             "use_orig_params=False: every block would run eagerly); use --fsdp-version 2")
+    if args.compile and args.max_tokens:
+        fail("--compile compiles each block for one shape (--input-length, --output-length); "
+             "--max-tokens cuts micro-batches of other lengths, each compiled anew: drop one")
+    if args.compile:  # fail now, in one line, rather than at the first step
+        check_compile(device)
     lora = check_lora_flags(args)
     longest = args.input_length + args.output_length  # an example's tokens at most
     if args.max_tokens is not None and args.max_tokens < longest:  # micro-batches of at most N
@@ -900,7 +917,7 @@ def check_flags(args, device, world_size):
 def add_rouge_flags(parser):
     """--rouge and how its summaries are generated (generate_summaries, rouge_scores)."""
     add = parser.add_argument_group("ROUGE: the summaries the model writes, judged").add_argument
-    add("--rouge", action="store_true", help="after each epoch's validation loss, each rank "
+    add("--rouge", action="store_true", help="after each epoch's training, each rank "
         "generates summaries of its share of the validation articles, scored with ROUGE-1/2/L/Lsum "
         f"(the rouge_score package: {ROUGE_INSTALL}); a few are printed, all written to "
         "<save-dir>/T5-model-<date>-<epoch>-predictions.jsonl, the scores to --metrics-json. Off "
@@ -1323,6 +1340,12 @@ def allow_sync_module_states_on_cpu(needed):
         fsdp_init_utils._check_module_states_for_sync_module_states = check
 
 
+def compiled_graphs():
+    """How many graphs torch.compile has compiled in this process (dynamo's private counters: no
+    public call counts them)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def describe_fsdp(model):
     """Print what FSDP built, read from the wrapped model itself rather than from the flags; the
     sizes per unit come from FSDP1's private _flat_param (no public call gives them)."""
@@ -1402,7 +1425,7 @@ class EpochLog(Report):
         """Print the sizes of the data, what FSDP built (describe_fsdp) and each rank's peak memory
         so far: what loading and wrapping the model cost it. Returns the log."""
         self.train_loader, self.val_loader = train_loader, val_loader
-        self.train_times, self.epoch_times, self.generated = [], [], []
+        self.train_times, self.epoch_times, self.generated, self.graphs = [], [], [], []
         if self.args.rouge:  # nltk (2 s, with scipy) imported now, not in epoch 1's ROUGE time
             importlib.import_module("rouge_score.rouge_scorer")
         # bar's: ranks kept in step; with --max-tokens also in each step's forwards (a rank's count
@@ -1414,6 +1437,10 @@ class EpochLog(Report):
         rank0_print(f"Size of train dataset: {len(train_loader.dataset)}, validation dataset: "
                     f"{len(val_loader.dataset) if val_loader else 'none (--no-run-validation)'}")
         describe_fsdp(model)
+        if self.args.compile:
+            blocks = [m for m in model.modules() if isinstance(m, T5Block)]
+            compiled = sum(block._compiled_call_impl is not None for block in blocks)  # private
+            rank0_print(f"Blocks compiled: {compiled} of {len(blocks)} (torch.compile, in place)")
         self.memory(model)
         self.loaded = self.peaks  # for --metrics-json
         rank0_print("Peak memory per rank after loading the model: "
@@ -1426,6 +1453,11 @@ class EpochLog(Report):
     def epoch_done(self, epoch, model, optimizer):
         self.epoch_times.append(self.train_times[-1] + self.lap())
         rank0_print(f"Epoch {epoch} time: {self.epoch_times[-1]:.2f}s")
+        if self.args.compile:  # those of the first epoch (training, validation); later, none
+            self.graphs.append(compiled_graphs() - sum(self.graphs))
+            rank0_print(f"Graphs compiled in epoch {epoch}: {self.graphs[-1]}"
+                        + (" (a recompile: a new shape or mode)" if epoch > 1 and self.graphs[-1]
+                           else ""))
         if self.args.track_memory:
             kind = "CUDA allocated" if self.device.type == "cuda" else "process RSS"
             rank0_print(f"Peak memory per rank ({kind}): "
@@ -1480,7 +1512,7 @@ class EpochLog(Report):
             adapter=f"{best}-adapter" if best and state["lora"] else None, lora=state["lora"],
             mixed_precision=mixed_precision, fsdp_version=self.args.fsdp_version,
             rouge=self.generated[-1] if self.generated else None, rouge_per_epoch=self.generated,
-            best_rouge=state.get("best_rouge"),
+            best_rouge=state.get("best_rouge"), compiled_graphs_per_epoch=self.graphs,
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
                                else self.args.sharding_strategy))
 

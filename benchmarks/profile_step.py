@@ -58,6 +58,8 @@ def main():
                         help="compute dtype (bf16: the script's bf16 policies; a GPU's)")
     parser.add_argument("--lengths", type=int, nargs=2, default=[64, 24], metavar=("IN", "OUT"),
                         help="--input-length and --output-length")
+    parser.add_argument("--compile", action="store_true", help="each T5Block compiled before "
+                        "sharding, as the script's --compile does (FSDP2)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--script", default=str(Path(__file__).resolve().parent.parent
@@ -83,6 +85,8 @@ def main():
                                 num_val=None)
     batches = iter(t5.rank_loader(train_set, args.batch_size, device))
     mesh = t5.device_mesh(device, hybrid=False)
+    for block in (*model.encoder.block, *model.decoder.block) if args.compile else []:
+        block.compile(dynamic=False)
     if args.fsdp_version == 1:
         model = t5.wrap_model(model, mesh, device, sharding_strategy="FULL_SHARD",
                               mixed_precision=t5.POLICIES[args.precision],
@@ -93,7 +97,7 @@ def main():
                                mp_policy=t5.POLICIES_FSDP2[args.precision],
                                activation_checkpointing=False)
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=cuda)
     if args.lora_rank and args.fsdp_version == 1 and hasattr(t5, "average_gradients"):
         optimizer.register_step_pre_hook(lambda *_: t5.average_gradients(trained))
 
@@ -126,7 +130,8 @@ def main():
                                 "gpu_ms": 0.0}
     if dist.get_rank() == 0:
         print(json.dumps({"fsdp_version": args.fsdp_version, "lora_rank": args.lora_rank,
-                          "step_ms": 1000 * statistics.median(seconds),
+                          "compile": args.compile, "step_ms": 1000 * statistics.median(seconds),
+                          "ops_per_step": round(sum(k["calls"] for k in kinds.values()), 1),
                           "kinds": {k: {"ms": round(v["ms"], 2), "calls": round(v["calls"], 1),
                                         **({"gpu_ms": round(v["gpu_ms"], 2)} if cuda else {})}
                                     for k, v in sorted(kinds.items(),

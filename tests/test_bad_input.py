@@ -191,6 +191,12 @@ CASES = [  # id, script, args, what the error line must say
      ["--rouge scores summaries of the validation articles", "--no-run-validation"]),
     ("T5 generation length 0", "t5_fsdp_finetune.py", ["--rouge", "--generation-max-length", 0],
      ["--generation-max-length", "must be a positive integer of at most 16,384, got 0"]),
+    ("T5 compile under FSDP1", "t5_fsdp_finetune.py", ["--compile"],
+     ["--compile: torch.compile cannot trace FSDP1's units", "use --fsdp-version 2"]),
+    ("T5 compile with max tokens", "t5_fsdp_finetune.py",
+     ["--compile", "--fsdp-version", 2, "--max-tokens", 200],
+     ["--compile compiles each block for one shape", "--max-tokens cuts micro-batches of other "
+      "lengths, each compiled anew: drop one"]),
     ("T5 ROUGE without rouge_score", "t5_fsdp_finetune.py", ["--rouge"],
      ["--rouge needs the rouge_score package, which is not installed",
       "pip install rouge_score=="]),
@@ -224,7 +230,8 @@ PYTHON_LAUNCHED = {"MNIST batch size 0", "FSDP2 no timeout", "MNIST NaN learning
                    "T5 LoRA targets that name no module", "T5 base dtype without LoRA",
                    "T5 LoRA resume with another rank", "T5 ROUGE without validation",
                    "T5 generation length 0", "T5 generation options without ROUGE",
-                   "T5 ROUGE without rouge_score",
+                   "T5 ROUGE without rouge_score", "T5 compile under FSDP1",
+                   "T5 compile with max tokens",
                    "T5 full fine-tuning checkpoint resumed with LoRA",
                    "T5 max tokens below one example"}
 # FSDP2's refusals, in check_flags too; NO_SHARD's under torchrun, the others before any spawn

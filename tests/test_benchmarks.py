@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, Idle
 
 HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
@@ -129,11 +130,14 @@ def test_lora_benchmark_runs_what_it_says():
 
 
 def test_export_and_gpu_benchmarks_run_what_they_say():
-    """--only hf-export lora-gpu --dry-run (no GPU needed to list them): hf-export runs FSDP2 with
-    LoRA, loading shard by shard and saving, at 2 and 4 ranks, each once shard by shard and once
-    gathered (--full-state-dict); lora-gpu the six LoRA rows on one process, not on the CPU."""
+    """--only hf-export lora-gpu gpu-check --dry-run (no GPU needed to list them): hf-export runs
+    FSDP2 with LoRA, loading shard by shard and saving, at 2 and 4 ranks, each once shard by shard
+    and once gathered (--full-state-dict); lora-gpu the six LoRA rows on one process, not on the
+    CPU; gpu-check pytest -m gpu, C1B's three rows and T5's six (full and LoRA: FSDP1, FSDP2,
+    FSDP2 compiled) on one GPU. Without a GPU, gpu-check refuses in one line."""
     proc = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only", "hf-export",
-                           "lora-gpu", "--dry-run"], capture_output=True, text=True, timeout=120)
+                           "lora-gpu", "gpu-check", "--dry-run"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     runs = [line for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
     export = [run for run in runs if "--cpu-ram-efficient-loading" in run]
@@ -142,12 +146,29 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
     assert all("--fsdp-version 2" in run and "--lora-rank 16" in run
                and "--no-save-model" not in run and "--no-run-validation" not in run
                for run in export)
-    gpu = [run for run in runs if run not in export]
+    gpu = [run for run in runs if run not in export and "--num-train-samples 256" in run]
     assert len(gpu) == 6 and all("--nproc_per_node 1" in run and "--cpu" not in run.split()
                                  and "--mixed-precision bf16" in run for run in gpu)
     assert sorted(("--lora-rank" in run, "--base-dtype bf16" in run, run.split()[-3])
                   for run in gpu) == sorted((lora, bf16, v) for v in "12" for lora, bf16 in
                                             ((False, False), (True, False), (True, True)))
+    check = [run for run in runs if run not in export and run not in gpu]
+    assert any(line.endswith("-m pytest -m gpu -q -p no:cacheprovider " + str(REPO / "tests"))
+               for line in proc.stdout.splitlines())
+    c1b = [run for run in check if "fsdp2_transformer.py" in run]
+    assert len(c1b) == 3 and sum("--float8 tensorwise" in run for run in c1b) == 1
+    assert sum("--async-checkpoint" in run and "--save-every 100" in run for run in c1b) == 1
+    t5 = sorted(("--lora-rank 16" in run, run.split("--fsdp-version ")[1][0], "--compile" in run)
+                for run in check if "t5_fsdp_finetune.py" in run)
+    assert t5 == sorted((lora, v, compiled) for lora in (False, True)
+                        for v, compiled in (("1", False), ("2", False), ("2", True)))
+    assert all("--nproc_per_node 1" in run for run in check)
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only",
+                                  "gpu-check"], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.splitlines()[-1].endswith(
+            "error: gpu-check checks a CUDA GPU, and none is visible here: run it where one is "
+            "lent"), refused.stderr
 
 
 def test_memory_picture_is_drawn(tmp_path):

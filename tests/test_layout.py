@@ -78,8 +78,8 @@ SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
 # allocated beside the first steps, not in the first save's pause (12, with its attribute), wait()
 # for it (4), main's call (2): 715 -> 733. T5's --compile: each block compiled before sharding (3),
 # generate_summaries eager (2: a compiled block would compile anew for every cache length), the
-# flag (2): 750 -> 757.
-BUDGETS = {"fsdp2_transformer.py": 733, "t5_fsdp_finetune.py": 757, "fsdp1_mnist.py": 250,
+# flag (2), the optimizer fused on CUDA (1, its comment): 750 -> 758.
+BUDGETS = {"fsdp2_transformer.py": 733, "t5_fsdp_finetune.py": 758, "fsdp1_mnist.py": 250,
            "ddp_mnist.py": 200}
 # The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
 # not only in the safeguards).

@@ -32,9 +32,9 @@ RUN = ["--num-train-samples", str(TRAIN_SAMPLES), "--epochs", str(EPOCHS),
 LORA = ["--lora-rank", "16"]  # the script's defaults otherwise: alpha 16, dropout 0.05, q,v
 ROWS = {"full fine-tuning": [], "LoRA, fp32 base": LORA,
         "LoRA, bf16 base": [*LORA, "--base-dtype", "bf16"]}
-# The AdamW rows run a copy of t5_fsdp_finetune.py whose optimizer line ends in this, changed to
-# pass foreach=True or fused=True (CPU AdamW steps tensor by tensor by default).
-ADAMW_LINE_END = "lr=args.lr)"
+# The AdamW rows run a copy of t5_fsdp_finetune.py whose optimizer line (fused on CUDA only) ends in
+# this, changed to pass foreach=True or fused=True (CPU AdamW steps tensor by tensor by default).
+ADAMW_LINE_END = 'lr=args.lr, fused=device.type == "cuda")'
 ADAMW_VARIANTS = ("foreach", "fused")
 # The picture's curves: --plan's flags beside SIZES, and how each is drawn.
 CURVES = {f"{row}, FSDP{version} FULL_SHARD": [*flags, "--fsdp-version", str(version)]
@@ -77,7 +77,7 @@ def adamw_copy(folder, option):
     folder.mkdir()
     for module in ("summarization_dataset.py", "safe_launch.py"):
         shutil.copy(common.REPO / module, folder)
-    changed = lines[0][:-1] + f", {option}=True)"
+    changed = lines[0].replace('fused=device.type == "cuda"', f"{option}=True")
     (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
     return folder / "t5_fsdp_finetune.py"
 

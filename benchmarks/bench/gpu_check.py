@@ -1,0 +1,151 @@
+"""gpu-check: what a lent GPU is checked for, in one command of about 8 minutes on one GPU:
+`pytest -m gpu`, then the headline rows, one run each: C1B in bf16 and with float8 (tokens/s,
+MFU), C1B's asynchronous saves (the first save's pause and a later one's, saves 100 steps apart:
+beyond the background write of 12.5 GB), T5 at the lora-gpu rows' shape (t5-base, 512 + 128
+tokens, batch 16, bf16) fully fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and (FSDP2)
+compiled, and each T5 run's --plan peak against its measured peak. One markdown table, with the
+card and the versions."""
+import json
+import re
+import subprocess
+import sys
+
+import torch
+
+from . import common, fsdp2_gpu, lora_gpu
+from .common import fmt, markdown_table, ratio
+
+NAME, ORDER = "gpu-check", 5
+FIXTURES = {"lora"}
+# C1B: fsdp2-gpu's rows, shorter. 30 steps give a steady rate after --compile's first two;
+# the asynchronous run saves at steps 100 and 200 and trains step 201, which waits for the second
+# save's copy (fsdp2-gpu's "checkpoint sharded --async-checkpoint" row).
+C1B_ROWS = {"C1B bf16 --compile --batch-size 16": ["--batch-size", "16", "--compile",
+                                                   "--steps", "30"],
+            "C1B float8 tensorwise --compile --batch-size 16": [
+                "--batch-size", "16", "--compile", "--float8", "tensorwise", "--steps", "30"],
+            "C1B --async-checkpoint, saves 100 steps apart": [
+                "--batch-size", "8", "--save-every", "100", "--checkpoint-format", "sharded",
+                "--async-checkpoint", "--checkpoint-dir", "ckpt", "--steps", "201"]}
+# T5: lora-gpu's shape and rows (full fine-tuning, LoRA on an fp32 base), fewer samples.
+T5_SAMPLES, T5_EPOCHS = 128, 3
+T5_ROWS = {f"T5 {row}, FSDP{version}{', --compile' if compiled else ''}": (flags, version, compiled)
+           for row, flags in (("full", []), ("LoRA", ["--lora-rank", "16"]))
+           for version, compiled in ((1, False), (2, False), (2, True))}
+PYTEST = "pytest -m gpu"
+
+
+def check(args, asked, error):
+    if asked and (args.no_gpu or not torch.cuda.is_available()) and not args.dry_run:
+        error("gpu-check checks a CUDA GPU, and none is visible here: run it where one is lent")
+
+
+def runs(ctx):
+    """World size 1 on the first GPU: the GPU tests, C1B's rows, then T5's."""
+    configs = [{"device": "cuda", "world_size": 1, "name": PYTEST, "kind": "pytest",
+                "script": "tests"}]
+    configs += [{"device": "cuda", "world_size": 1, "name": name, "kind": "c1b",
+                 "script": "fsdp2_transformer.py",
+                 "args": [*fsdp2_gpu.C1B, *flags, "--log-every", "10"]}
+                for name, flags in C1B_ROWS.items()]
+    configs += [{"device": "cuda", "world_size": 1, "name": name, "kind": "t5",
+                 "samples": T5_SAMPLES, "script": "t5_fsdp_finetune.py",
+                 "args": [*t5_args(ctx), *flags, "--fsdp-version", str(version),
+                          *(["--compile"] if compiled else [])]}
+                for name, (flags, version, compiled) in T5_ROWS.items()]
+    return configs
+
+
+def t5_args(ctx):
+    return ["--model-name", str(ctx.lora_model), "--data-dir", str(ctx.lora_data),
+            *lora_gpu.SIZES, "--num-train-samples", str(T5_SAMPLES), "--epochs", str(T5_EPOCHS),
+            "--no-run-validation", "--no-save-model"]
+
+
+def command(config, metrics_path):
+    if config["kind"] == "pytest":  # its summary becomes the metrics file (run, below)
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                str(common.REPO / "tests")]
+    return common.torchrun_command(config, metrics_path)
+
+
+def run(config, command, workdir, env, timeout):
+    """The runs as they are; pytest's counts of passed, failed and skipped tests (and its time)
+    written as the metrics file the runner reads. T5's: its --plan, for the peak it predicts."""
+    returncode, stdout, stderr, seen = common.run_plain(command, workdir, env=env, timeout=timeout)
+    if config["kind"] == "pytest":
+        counts = {kind: int(n) for n, kind in re.findall(
+            r"(\d+) (passed|failed|skipped|errors?)", stdout.splitlines()[-1] if stdout else "")}
+        (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
+                                                          **counts}))
+    if config["kind"] == "t5":
+        plan = subprocess.run([sys.executable, str(common.REPO / config["script"]), "--plan",
+                               "--world-size", "1", *config["args"]], cwd=workdir, env=env,
+                              capture_output=True, text=True, timeout=300)
+        found = re.search(r"predicted peak\s+([\d.]+)\s*\n", plan.stdout)
+        unit = 2**30 if "in GiB" in plan.stdout else 2**20
+        seen["plan_peak_mib"] = float(found[1]) * unit / common.MIB if found else None
+    return returncode, stdout, stderr, seen
+
+
+def figures(config, metrics, stdout, seen):
+    if config["kind"] == "pytest":
+        if metrics.get("failed") or metrics.get("error") or metrics.get("errors"):
+            raise ValueError(f"pytest -m gpu: {metrics}")
+        return {"passed": metrics.get("passed", 0), "skipped": metrics.get("skipped", 0),
+                "seconds": seen["seconds"]}
+    if config["kind"] == "c1b":
+        stalls = metrics["checkpoint_stall_s"] or [None]
+        return {**common.memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
+                "mfu": metrics["mfu"], "first_pause_s": stalls[0],
+                "later_pause_s": stalls[1] if len(stalls) > 1 else None}
+    found = {**common.memory_figures(metrics), "plan_peak_mib": seen["plan_peak_mib"]}
+    found["samples_per_s"] = T5_SAMPLES / common.steady_epoch_time(metrics["epoch_times"])
+    found["graphs"] = metrics.get("compiled_graphs_per_epoch") or None
+    return found
+
+
+def value(config, key):
+    return common.median(config, key)
+
+
+def tables(ctx, configs):
+    card = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+            if torch.cuda.is_available() else "no GPU")
+    versions = {name: version_of(name) for name in ("transformers", "torchao", "peft")}
+    rows = []
+    for c in configs:
+        if c["kind"] == "pytest":
+            said = (f"{fmt(value(c, 'passed'), '.0f')} passed, {fmt(value(c, 'skipped'), '.0f')} "
+                    f"skipped in {fmt(value(c, 'seconds'), '.0f')} s")
+        elif c["kind"] == "c1b":
+            said = (f"{fmt(value(c, 'tokens_per_s'), ',.0f')} tokens/s, MFU "
+                    f"{fmt(value(c, 'mfu'), '.1%')}")
+            if value(c, "first_pause_s") is not None:
+                said += (f"; pauses: first save {fmt(value(c, 'first_pause_s'), '.2f')} s, later "
+                         f"{fmt(value(c, 'later_pause_s'), '.2f')} s")
+        else:
+            # full fine-tuning's row of the same FSDP version, compiled or not
+            full = next((f for f in configs if f["kind"] == "t5" and f["name"].startswith(
+                "T5 full") and f["args"][-2:] == c["args"][-2:]), None)
+            speed = value(c, "samples_per_s")
+            said = (f"{fmt(speed, ',.1f')} samples/s ("
+                    f"{fmt(ratio(speed, value(full, 'samples_per_s')), '.2f')}x full); peak "
+                    f"{fmt(value(c, 'peak_mib'), ',.0f')} MiB, --plan "
+                    f"{fmt(value(c, 'plan_peak_mib'), ',.0f')} MiB")
+        rows.append([common.flagged(c["name"], c), said])
+    return ["\n### GPU check\n",
+            f"{card}; torch {torch.__version__}, "
+            + ", ".join(f"{name} {version}" for name, version in versions.items())
+            + f". One run each. T5: `{' '.join(lora_gpu.SIZES)}`, {T5_SAMPLES} samples, "
+            f"{T5_EPOCHS} epochs, samples/s of the epochs after the first; C1B: "
+            f"`{' '.join(fsdp2_gpu.C1B)}`.\n",
+            markdown_table(["run", "result"], rows)]
+
+
+def version_of(package):
+    try:
+        from importlib.metadata import version
+        return version(package)
+    except Exception:  # not installed
+        return "not installed"
