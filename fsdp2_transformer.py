@@ -452,6 +452,7 @@ class AsyncCheckpointer(Checkpointer):
 
     def save(self, model, optimizer, step):
         self.wait()  # one save at a time
+        self.wait_ahead()  # this save copies into the memory of stage_ahead's copy
         path = self.new_folder(step)
         # Returns at once; later saves reuse the first one's plan (the same shards every time).
         response = dcp.async_save(sharded_state(model, optimizer), checkpoint_id=f"{path}.tmp",
@@ -474,13 +475,14 @@ class AsyncCheckpointer(Checkpointer):
         if staging is not None:
             staging.result()
 
-    def wait(self):
-        """Wait for the last save's copy, background write and marking (and stage_ahead's copy);
-        raises their error."""
-        self.wait_for_staging()
+    def wait_ahead(self):
         ahead, self.ahead = self.ahead, None
         if ahead is not None:
             ahead.result()
+
+    def wait(self):
+        """Wait for the last save's copy, background write and marking; raises their error."""
+        self.wait_for_staging()
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
@@ -1480,6 +1482,12 @@ class CheckedAsyncCheckpointer(CheckedCheckpointer, AsyncCheckpointer):
         """The lesson's: the stager's first copy is then stage_ahead's, which it reports."""
         self.stager.ahead = True
         super().stage_ahead(model, optimizer)
+
+    def wait_ahead(self):
+        """The lesson's, inside the first save (its pause counts the wait, which is not for a
+        previous write); a failed copy stops every rank in one line, as a save's copy does."""
+        self.staging, self.ahead = self.ahead, None
+        self.wait_for_staging()
 
     def figures(self):
         """The saves' figures, and each copy's new shared memory (bytes), seconds (its check
