@@ -13,7 +13,7 @@ import sys
 import torch
 
 from . import common, fsdp2_gpu, lora_gpu
-from .common import fmt, markdown_table, ratio
+from .common import fmt, markdown_table, median, ratio
 
 NAME, ORDER = "gpu-check", 5
 FIXTURES = {"lora"}
@@ -105,10 +105,6 @@ def figures(config, metrics, stdout, seen):
     return found
 
 
-def value(config, key):
-    return common.median(config, key)
-
-
 def tables(ctx, configs):
     card = (f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
             if torch.cuda.is_available() else "no GPU")
@@ -116,23 +112,23 @@ def tables(ctx, configs):
     rows = []
     for c in configs:
         if c["kind"] == "pytest":
-            said = (f"{fmt(value(c, 'passed'), '.0f')} passed, {fmt(value(c, 'skipped'), '.0f')} "
-                    f"skipped in {fmt(value(c, 'seconds'), '.0f')} s")
+            said = (f"{fmt(median(c, 'passed'), '.0f')} passed, {fmt(median(c, 'skipped'), '.0f')} "
+                    f"skipped in {fmt(median(c, 'seconds'), '.0f')} s")
         elif c["kind"] == "c1b":
-            said = (f"{fmt(value(c, 'tokens_per_s'), ',.0f')} tokens/s, MFU "
-                    f"{fmt(value(c, 'mfu'), '.1%')}")
-            if value(c, "first_pause_s") is not None:
-                said += (f"; pauses: first save {fmt(value(c, 'first_pause_s'), '.2f')} s, later "
-                         f"{fmt(value(c, 'later_pause_s'), '.2f')} s")
+            said = (f"{fmt(median(c, 'tokens_per_s'), ',.0f')} tokens/s, MFU "
+                    f"{fmt(median(c, 'mfu'), '.1%')}")
+            if median(c, "first_pause_s") is not None:
+                said += (f"; pauses: first save {fmt(median(c, 'first_pause_s'), '.2f')} s, later "
+                         f"{fmt(median(c, 'later_pause_s'), '.2f')} s")
         else:
             # full fine-tuning's row of the same FSDP version, compiled or not
             full = next((f for f in configs if f["kind"] == "t5" and f["name"].startswith(
                 "T5 full") and f["args"][-2:] == c["args"][-2:]), None)
-            speed = value(c, "samples_per_s")
+            speed = median(c, "samples_per_s")
             said = (f"{fmt(speed, ',.1f')} samples/s ("
-                    f"{fmt(ratio(speed, value(full, 'samples_per_s')), '.2f')}x full); peak "
-                    f"{fmt(value(c, 'peak_mib'), ',.0f')} MiB, --plan "
-                    f"{fmt(value(c, 'plan_peak_mib'), ',.0f')} MiB")
+                    f"{fmt(ratio(speed, median(full, 'samples_per_s')), '.2f')}x full); peak "
+                    f"{fmt(median(c, 'peak_mib'), ',.0f')} MiB, --plan "
+                    f"{fmt(median(c, 'plan_peak_mib'), ',.0f')} MiB")
         rows.append([common.flagged(c["name"], c), said])
     return ["\n### GPU check\n",
             f"{card}; torch {torch.__version__}, "
