@@ -8,16 +8,16 @@ tests/test_t5.py's check_export and tests/test_lora.py's export test hold their 
 their exports. Here: the recall runs, --generate by-block under each FSDP version, on articles
 whose summaries end far sooner on one rank than on the other."""
 import json
-import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, t5_args
 from tiny_wikihow import DROPPED, articles, normalized, write_wikihow
-from transformers import T5Tokenizer
+from transformers import T5ForConditionalGeneration, T5Tokenizer
 
 sys.path.insert(0, str(REPO))
-from summarization_dataset import rouge_scores  # noqa: E402
+from summarization_dataset import rouge_scores, wikihow  # noqa: E402
 
 SCRIPT = "t5_fsdp_finetune.py"
 RECALL_ARTICLES, RECALL_EPOCHS = 8, 20
@@ -60,39 +60,26 @@ def recall_run(cached_torchrun, still_t5_dir, recall_dir, version):
     return result
 
 
-# One plain process, as a user would: each model directory generates greedy summaries of the
-# validation articles (batches of 4, --output-length new tokens at most), which are scored.
-GENERATE = """
-import json, sys, torch
-sys.path.insert(0, sys.argv[1])
-from summarization_dataset import rouge_scores, wikihow
-from transformers import T5ForConditionalGeneration, T5Tokenizer
-data_dir, samples, input_length, output_length = sys.argv[2], *map(int, sys.argv[3:6])
-results = []
-for folder in sys.argv[6:]:
-    tokenizer = T5Tokenizer.from_pretrained(folder)
-    model = T5ForConditionalGeneration.from_pretrained(folder).eval()
-    val = wikihow(tokenizer, "validation", samples, input_length, output_length, data_dir=data_dir)
-    summaries = []
-    with torch.no_grad():
-        for i in range(0, len(val), 4):
-            ids = model.generate(input_ids=val.source_ids[i:i + 4], max_new_tokens=output_length,
-                                 attention_mask=val.source_mask[i:i + 4])
-            summaries += tokenizer.batch_decode(ids, skip_special_tokens=True)
-    results.append({"summaries": summaries, "tokens": [len(tokenizer(s).input_ids) - 1
-                                                       for s in summaries],
-                    "rouge": rouge_scores(summaries, val.references(tokenizer))})
-print(json.dumps(results))
-"""
-
-
 def generate_in_a_plain_process(data_dir, samples, folders, input_length=64, output_length=24):
-    """[{"summaries", "tokens" (of each, without </s>), "rouge"}] of each model folder."""
-    command = [sys.executable, "-c", GENERATE, REPO, data_dir, samples, input_length,
-               output_length, *folders]
-    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    """[{"summaries", "rouge"}] of each model folder, as a user gets them in a plain Python (the
+    test's own: no torchrun, no FSDP): greedy summaries of the validation articles, in batches of
+    4, --output-length new tokens at most, scored."""
+    results = []
+    for folder in folders:
+        tokenizer = T5Tokenizer.from_pretrained(folder)
+        model = T5ForConditionalGeneration.from_pretrained(folder).eval()
+        val = wikihow(tokenizer, "validation", samples, input_length, output_length,
+                      data_dir=data_dir)
+        summaries = []
+        with torch.no_grad():
+            for i in range(0, len(val), 4):
+                ids = model.generate(input_ids=val.source_ids[i:i + 4],
+                                     attention_mask=val.source_mask[i:i + 4],
+                                     max_new_tokens=output_length)
+                summaries += tokenizer.batch_decode(ids, skip_special_tokens=True)
+        results.append({"summaries": summaries,
+                        "rouge": rouge_scores(summaries, val.references(tokenizer))})
+    return results
 
 
 def predictions(path):

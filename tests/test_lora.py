@@ -4,9 +4,7 @@ global batch at every world size (conftest.lora_args): every layout gives the sa
 import glob
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -155,47 +153,56 @@ def test_only_the_adapters_train(lora_reference, still_t5_dir):
         assert torch.allclose(merged[weight], pretrained[weight] + product, atol=1e-6), weight
 
 
-# Opens a run's exports as a user would and computes the validation loss the run logged.
-EVALUATE = """
-import json, sys, torch
-import torch.nn.functional as F
-from peft import PeftModel
-from transformers import T5ForConditionalGeneration, T5Tokenizer
-sys.path.insert(0, sys.argv[1])
-from summarization_dataset import wikihow
-base_dir, data_dir, lengths, exports = sys.argv[2], sys.argv[3], sys.argv[4:7], sys.argv[7:]
-val = wikihow(T5Tokenizer.from_pretrained(base_dir), "validation", *map(int, lengths),
-              data_dir=data_dir)
+def open_exports(base_dir, data_dir, exports):
+    """Each run's exports opened as a user would, in a plain Python (the test's own: no torchrun,
+    no FSDP): for each (merged HF directory, adapter directory) pair in exports, the validation
+    loss of the merged model (from_pretrained) and of the adapters put on the pretrained base
+    (PeftModel.from_pretrained), its dtype, and the adapters' greedy summaries (every article's,
+    in batches of 4: as the run generates them)."""
+    import torch
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from transformers import T5ForConditionalGeneration, T5Tokenizer
 
-def loss(model):
-    with torch.no_grad():
-        logits = model.eval()(input_ids=val.source_ids, attention_mask=val.source_mask,
-                              labels=val.target_ids).logits
-    token_losses = F.cross_entropy(logits.float().transpose(1, 2), val.target_ids,
-                                   reduction="none")
-    return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
+    sys.path.insert(0, str(REPO))  # where summarization_dataset is
+    from summarization_dataset import wikihow
 
-def summaries(model):  # every article's, greedy, in batches of 4: as the run generates them
-    texts = []
-    with torch.no_grad():
-        for i in range(0, len(val), 4):
-            ids = model.generate(input_ids=val.source_ids[i:i + 4], max_new_tokens=int(lengths[2]),
-                                 attention_mask=val.source_mask[i:i + 4])
-            texts += val_tokenizer.batch_decode(ids, skip_special_tokens=True)
-    return texts
+    tokenizer = T5Tokenizer.from_pretrained(base_dir)
+    val = wikihow(tokenizer, "validation", T5_VAL_SAMPLES, T5_INPUT_LENGTH, T5_OUTPUT_LENGTH,
+                  data_dir=data_dir)
 
-val_tokenizer = T5Tokenizer.from_pretrained(base_dir)
-results = []
-for merged, adapter in zip(exports[::2], exports[1::2]):
-    opened = T5ForConditionalGeneration.from_pretrained(merged)
-    base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)  # as trained
-    with_adapters = PeftModel.from_pretrained(base, adapter)
-    results.append({"merged": loss(opened), "dtype": str(opened.dtype),
-                    "adapter": loss(with_adapters), "summaries": summaries(with_adapters)})
-print(json.dumps(results))
-"""
+    def loss(model):
+        with torch.no_grad():
+            logits = model.eval()(input_ids=val.source_ids, attention_mask=val.source_mask,
+                                  labels=val.target_ids).logits
+        token_losses = F.cross_entropy(logits.float().transpose(1, 2), val.target_ids,
+                                       reduction="none")
+        return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
+
+    def summaries(model):
+        texts = []
+        with torch.no_grad():
+            for i in range(0, len(val), 4):
+                ids = model.generate(input_ids=val.source_ids[i:i + 4],
+                                     attention_mask=val.source_mask[i:i + 4],
+                                     max_new_tokens=T5_OUTPUT_LENGTH)
+                texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return texts
+
+    results = []
+    for merged, adapter in zip(exports[::2], exports[1::2]):
+        opened = T5ForConditionalGeneration.from_pretrained(merged)
+        # the base in the dtype it trained in
+        base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)
+        with_adapters = PeftModel.from_pretrained(base, adapter)
+        results.append({"merged": loss(opened), "dtype": str(opened.dtype),
+                        "adapter": loss(with_adapters), "summaries": summaries(with_adapters)})
+    return results
 
 
+# PEFT (0.21) reads transformers 5's deprecated is_gradient_checkpointing as it puts adapters on
+# (t5_fsdp_finetune.quiet_known_warnings says so to the script's users). Remove with it.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t5_dir,
                                                wikihow_dir):
     """Each run's best model, exported both ways: the PEFT adapter directory
@@ -207,12 +214,7 @@ def test_exports_open_and_give_the_logged_loss(lora_reference, lora_run, still_t
     runs = [lora_reference, lora_run(2, *FSDP1), lora_run(2, *BF16_FSDP2)]
     exports = [path for run in runs for path in (run.metrics["checkpoint"],
                                                  run.metrics["adapter"])]
-    command = [EVALUATE, REPO, still_t5_dir, wikihow_dir, T5_VAL_SAMPLES, T5_INPUT_LENGTH,
-               T5_OUTPUT_LENGTH, *exports]
-    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    for run, result in zip(runs, json.loads(proc.stdout)):
+    for run, result in zip(runs, open_exports(still_t5_dir, wikihow_dir, exports)):
         bf16 = run.metrics["lora"]["base_dtype"] == "bf16"
         assert result["dtype"] == ("torch.bfloat16" if bf16 else "torch.float32"), result
         for export in ("adapter", "merged"):
@@ -279,6 +281,7 @@ def test_lora_dropout_takes_effect(lora_reference, lora_run):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_lora_on_one_gpu(torchrun, still_t5_dir, wikihow_dir):
     """World size 1 on a GPU, bf16 compute on a bf16 base: FSDP2 (read shard by shard, activation
     checkpointing) and FSDP1 learn, and both exports give the logged validation loss on CPU
@@ -291,12 +294,7 @@ def test_lora_on_one_gpu(torchrun, still_t5_dir, wikihow_dir):
         assert run.metrics["val_losses"][-1] < run.metrics["val_losses"][0]
         runs.append(run)
     exports = [run.metrics[key] for run in runs for key in ("checkpoint", "adapter")]
-    command = [EVALUATE, REPO, still_t5_dir, wikihow_dir, T5_VAL_SAMPLES, T5_INPUT_LENGTH,
-               T5_OUTPUT_LENGTH, *exports]
-    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr
-    for run, result in zip(runs, json.loads(proc.stdout)):
+    for run, result in zip(runs, open_exports(still_t5_dir, wikihow_dir, exports)):  # on CPU
         for export in ("adapter", "merged"):
             assert result[export] == pytest.approx(run.metrics["val_loss"], abs=2e-2), result
 

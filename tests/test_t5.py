@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     NO_NETWORK,
     REPO,
@@ -36,9 +37,16 @@ from tiny_wikihow import (
     write_csv_without_headline,
     write_wikihow,
 )
+from transformers import T5ForConditionalGeneration, T5Tokenizer
 
 sys.path.insert(0, str(REPO))
-from summarization_dataset import WikiHowError, fallback_split, read_articles, wikihow  # noqa: E402
+from summarization_dataset import (  # noqa: E402
+    WikiHowError,
+    fallback_split,
+    read_articles,
+    rouge_scores,
+    wikihow,
+)
 
 SCRIPT = "t5_fsdp_finetune.py"
 
@@ -57,8 +65,6 @@ def t5_run(cached_torchrun, wikihow_dir, tiny_t5_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_t5_dir):
-    from transformers import T5Tokenizer
-
     return T5Tokenizer.from_pretrained(tiny_t5_dir)
 
 
@@ -91,38 +97,33 @@ def test_progress_bars_in_a_pipe_are_one_line_each(t5_reference):
         "Validation Epoch: 100%|##########| 4/4")], bars
 
 
-# The program is cut into adjacent literals where its lines are long: its text stays the same.
-EVALUATE = """
-import json, sys, torch
-import torch.nn.functional as F
-from transformers import T5ForConditionalGeneration, T5Tokenizer
-sys.path.insert(0, sys.argv[1])
-from summarization_dataset import rouge_scores, wikihow
-hf_dir, pt_file, plain_dir, data_dir = sys.argv[2:6]
-tokenizer = T5Tokenizer.from_pretrained(hf_dir)
-model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
-same = None  # FSDP2 writes no .pt (without --full-state-dict)
-if pt_file != "None":
-    plain = T5ForConditionalGeneration.from_pretrained(plain_dir)  # untrained: the .pt loads in
-    plain.load_state_dict(torch.load(pt_file, weights_only=True))
-    pairs = zip(plain.state_dict().values(), model.state_dict().values())
-    same = all(torch.equal(p, q) for p, q in pairs)
-lengths = [int(n) for n in sys.argv[6:9]]
-val = wikihow(tokenizer, "validation", *lengths, data_dir=data_dir)
-with torch.no_grad():
-    logits = model(input_ids=val.source_ids, attention_mask=val.source_mask,
-                   labels=val.target_ids).logits
-    token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
-    # the mean over examples of token means
-    val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
-    summaries = []  # of every article, in batches of 4, greedy: as the run generates them
-    for i in range(0, len(val), 4):
-        generated = model.generate(val.source_ids[i:i + 4], max_new_tokens=lengths[2],
-                                   attention_mask=val.source_mask[i:i + 4])
-        summaries += tokenizer.batch_decode(generated, skip_special_tokens=True)
-print(json.dumps({"val_loss": val_loss, "same": same, "summaries": summaries,
-                  "rouge": rouge_scores(summaries, val.references(tokenizer))}))
-"""
+def evaluate_export(hf_dir, pt_file, plain_dir, data_dir, samples, input_length, output_length):
+    """In the test's process, as a user's plain Python (no torchrun, no FSDP): the HF directory
+    opened with from_pretrained, its validation loss, its greedy summaries and their ROUGE; and
+    whether the .pt (where written), loaded into the untrained plain_dir's model, holds the same
+    weights."""
+    tokenizer = T5Tokenizer.from_pretrained(hf_dir)
+    model = T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+    same = None  # FSDP2 writes no .pt (without --full-state-dict)
+    if pt_file is not None:
+        plain = T5ForConditionalGeneration.from_pretrained(plain_dir)  # untrained: the .pt loads in
+        plain.load_state_dict(torch.load(pt_file, weights_only=True))
+        pairs = zip(plain.state_dict().values(), model.state_dict().values())
+        same = all(torch.equal(p, q) for p, q in pairs)
+    val = wikihow(tokenizer, "validation", samples, input_length, output_length, data_dir=data_dir)
+    with torch.no_grad():
+        logits = model(input_ids=val.source_ids, attention_mask=val.source_mask,
+                       labels=val.target_ids).logits
+        token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
+        # the mean over examples of token means
+        val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
+        summaries = []  # of every article, in batches of 4, greedy: as the run generates them
+        for i in range(0, len(val), 4):
+            generated = model.generate(val.source_ids[i:i + 4], max_new_tokens=output_length,
+                                       attention_mask=val.source_mask[i:i + 4])
+            summaries += tokenizer.batch_decode(generated, skip_special_tokens=True)
+    return {"val_loss": val_loss, "same": same, "summaries": summaries,
+            "rouge": rouge_scores(summaries, val.references(tokenizer))}
 
 
 def check_export(run, tiny_t5_dir, wikihow_dir):
@@ -131,12 +132,8 @@ def check_export(run, tiny_t5_dir, wikihow_dir):
     validation loss. With --rouge, it writes token for token the summaries that the run generated
     on its ranks in that epoch (predictions file), and rouge_score gives them the run's ROUGE."""
     hf_dir, pt_file = run.metrics["checkpoint"], run.metrics["checkpoint_pt"]
-    command = [EVALUATE, REPO, hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES, INPUT_LENGTH,
-               OUTPUT_LENGTH]
-    proc = subprocess.run([sys.executable, "-c", *map(str, command)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
+    result = evaluate_export(hf_dir, pt_file, tiny_t5_dir, wikihow_dir, VAL_SAMPLES,
+                             INPUT_LENGTH, OUTPUT_LENGTH)
     assert result["same"] is not False, "the .pt and the HF directory hold different weights"
     assert (result["same"] is None) == (pt_file is None)
     assert all(summary.strip() for summary in result["summaries"][:2]), result["summaries"]
@@ -330,41 +327,36 @@ def test_plan_predicts_the_training_state(t5_run, tiny_t5_dir, tmp_path, strateg
     assert plan["generation_by_block_bytes"] == plan["gathered_bytes"]
 
 
-# What autograd keeps from forward to backward in one training step of the tiny T5, computed as
-# the script does (one process, fp32, no FSDP: a rank's activations do not depend on sharding).
-SAVED_FOR_BACKWARD = """
-import json, sys, torch
-from transformers import T5ForConditionalGeneration
-model = T5ForConditionalGeneration.from_pretrained(sys.argv[1]).train()  # dropout, as trained
-batch, input_length, output_length = map(int, sys.argv[2:])
-inputs, labels = (torch.randint(2, model.config.vocab_size, (batch, length))
-                  for length in (input_length, output_length))
-saved = []
-def pack(tensor):
-    saved.append(tensor.numel() * tensor.element_size())
-    return tensor
-with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-    logits = model(input_ids=inputs, labels=labels, use_cache=False).logits
-    loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels)
-loss.backward()
-print(json.dumps(sum(saved)))
-"""
+def saved_for_backward(model_dir, batch, input_length, output_length):
+    """The bytes autograd keeps from forward to backward in one training step of the tiny T5,
+    computed as the script does (one process, fp32, no FSDP: a rank's activations do not depend
+    on sharding), counted with saved_tensors_hooks."""
+    model = T5ForConditionalGeneration.from_pretrained(model_dir).train()  # dropout, as trained
+    inputs, labels = (torch.randint(2, model.config.vocab_size, (batch, length))
+                      for length in (input_length, output_length))
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        logits = model(input_ids=inputs, labels=labels, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().transpose(1, 2), labels)
+    loss.backward()
+    return sum(saved)
 
 
 def test_plan_predicts_the_activations(tiny_t5_dir, tmp_path):
     """--plan's activations and logits buffers of a step: within 15% of the bytes autograd saves
-    for backward, counted with saved_tensors_hooks."""
+    for backward."""
     batch = 4
-    command = [sys.executable, "-c", SAVED_FOR_BACKWARD, tiny_t5_dir, batch, INPUT_LENGTH,
-               OUTPUT_LENGTH]
-    proc = subprocess.run([str(a) for a in command], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    saved = saved_for_backward(tiny_t5_dir, batch, INPUT_LENGTH, OUTPUT_LENGTH)
     plan = plan_of(SCRIPT, tmp_path, "--model-name", tiny_t5_dir, "--world-size", 1,
                    "--batch-size", batch, *T5_TINY)
     predicted = plan["activation_bytes"] + plan["logits_bytes"]
-    print(f"predicted {predicted:,} bytes, saved for backward {int(proc.stdout):,}")
-    assert predicted == pytest.approx(int(proc.stdout), rel=0.15)
+    print(f"predicted {predicted:,} bytes, saved for backward {saved:,}")
+    assert predicted == pytest.approx(saved, rel=0.15)
 
 
 @pytest.mark.parametrize("options", list(OPTIONS_BUILT))
@@ -781,16 +773,12 @@ def test_an_untied_lm_head_trains_and_exports(cached_torchrun, untied_t5_dir, wi
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(runs[0].metrics[key], rel=1e-5)
     # FSDP1: equal to its own .pt; FSDP2 writes none: close to FSDP1's (the same training, above)
-    check = ("import sys, torch; from transformers import T5ForConditionalGeneration as T; "
-             "m = T.from_pretrained(sys.argv[1]); full = torch.load(sys.argv[2]); "
-             "assert m.lm_head.weight is not m.shared.weight; "
-             "assert torch.allclose(m.lm_head.weight, full['lm_head.weight'], rtol=0, "
-             "atol=float(sys.argv[3]))")
+    exported = T5ForConditionalGeneration.from_pretrained(run.metrics["checkpoint"])
     own = run.metrics["checkpoint_pt"]
-    proc = subprocess.run([sys.executable, "-c", check, run.metrics["checkpoint"],
-                           own or runs[0].metrics["checkpoint_pt"], "0" if own else "1e-6"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    full = torch.load(own or runs[0].metrics["checkpoint_pt"], weights_only=True)
+    assert exported.lm_head.weight is not exported.shared.weight
+    torch.testing.assert_close(exported.lm_head.weight, full["lm_head.weight"], rtol=0,
+                               atol=0 if own else 1e-6)
 
 
 def still_args(still_t5_dir, wikihow_dir, ranks, *args):
