@@ -43,7 +43,9 @@ BF16_FSDP1 = ["--base-dtype", "bf16", "--mixed-precision", "bf16", "--sharding-s
               "SHARD_GRAD_OP", "--no-save-model"]
 
 
-# --compile (FSDP2) on 2 ranks, without validation (its forward would compile graphs of its own)
+# --compile (FSDP2) on one process (its mesh of one rank still all-gathers and reshards around each
+# compiled block; 2 ranks would compile the same graphs twice over: 178 CPU-s against 129), without
+# validation (its forward would compile graphs of its own)
 COMPILED = ["--fsdp-version", 2, "--compile", "--no-run-validation", "--no-save-model"]
 COMPILED_TEST = "test_compiled_blocks_train_the_losses_of_eager_and_compile_once"
 
@@ -54,7 +56,7 @@ def start_early(request):
     which runs last with this file's, waits for it."""
     if any(getattr(item, "originalname", None) == COMPILED_TEST for item in request.session.items):
         still, wikihow = (request.getfixturevalue(name) for name in ("still_t5_dir", "wikihow_dir"))
-        queue_cached_run(request, SCRIPT, *lora_args(still, wikihow, 2, *COMPILED))
+        queue_cached_run(request, SCRIPT, *lora_args(still, wikihow, 1, *COMPILED), nproc=1)
 
 
 def adapted_modules(still_t5_dir, targets=("q", "v")):
@@ -110,21 +112,21 @@ def test_lora_trains_alike_under_fsdp2_fsdp1_and_one_process(lora_reference, lor
     assert any(whole in line for line in runs["FSDP1"].stdout.splitlines()), runs["FSDP1"].stdout
 
 
-def test_compiled_blocks_train_the_losses_of_eager_and_compile_once(lora_reference, lora_run):
-    """--compile (FSDP2, each T5Block compiled before sharding) trains the reference's adapters:
-    each epoch's train loss within 1e-6 of eager's (the dropout-free T5: fused kernels round
-    differently, nothing random), every block compiled, its graphs all in epoch 1 (the encoder's
-    and the decoder's shapes, whose lengths differ, then nothing: no recompile after the first
-    steps). Without validation: the validation forward would compile graphs of its own, and CPU
-    compilation (C++) takes most of the run's time."""
-    run = lora_run(2, *COMPILED)
+def test_compiled_blocks_train_the_losses_of_eager_and_compile_once(lora_run):
+    """--compile (FSDP2, each T5Block compiled before sharding) trains eager's adapters: each
+    epoch's train loss within 1e-6 of the eager one-process run's (the dropout-free T5: fused
+    kernels round differently, nothing random), every block compiled, its graphs all in epoch 1
+    (the encoder's and the decoder's shapes, whose lengths differ, then nothing: no recompile after
+    the first steps). Without validation: the validation forward would compile graphs of its own,
+    and CPU compilation (C++) takes most of the run's time."""
+    run = lora_run(1, *COMPILED)
     assert warning_lines(run.output) == []
     assert "Blocks compiled: 4 of 4 (torch.compile, in place)" in run.stdout.splitlines()
     graphs = run.metrics["compiled_graphs_per_epoch"]
     assert len(graphs) == 2 and graphs[0] > 0 and graphs[1] == 0, graphs
     assert "Graphs compiled in epoch 2: 0" in run.stdout.splitlines(), run.stdout
     assert run.metrics["train_losses"] == pytest.approx(
-        lora_reference.metrics["train_losses"], rel=1e-6)
+        lora_run(1, *ONE_PROCESS).metrics["train_losses"], rel=1e-6)
 
 
 def test_only_the_adapters_train(lora_reference, still_t5_dir):
