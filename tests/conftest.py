@@ -21,6 +21,8 @@ import torch
 from digits_mnist import write_digits_mnist
 from forked_torchrun import (
     SWITCH,
+    ForkedAgent,
+    NewAgent,
     cuda_devices,
     forked_python,
     forked_torchrun,
@@ -320,6 +322,17 @@ def run_command(command, cwd, timeout, env=None):
                               env=env)
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     return Run(returncode, stdout, stderr, metrics_in(cwd), Path(cwd))
+
+
+def start_torchrun(command, cwd, env, outputs, new_session=False):
+    """Start a torchrun_command in the background (what a test stops, kills or waits for: pid,
+    poll, wait, kill, workers()), forked as run_command's are (as new processes when forks are
+    off), writing to the files at outputs (stdout, stderr: one path twice, one file, as a batch
+    job's `> log 2>&1`)."""
+    command = [str(c) for c in command]
+    if forks(env):
+        return ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=new_session)
+    return NewAgent(command, cwd, env, outputs, new_session=new_session)
 
 
 def metrics_in(cwd):

@@ -28,6 +28,7 @@ without this module, only slower.
 """
 import ast
 import atexit
+import contextlib
 import functools
 import importlib
 import inspect
@@ -154,7 +155,12 @@ class NewAgent(subprocess.Popen):
     to the files at outputs, and workers(), which finds them as a test did before forks."""
 
     def __init__(self, command, cwd, env, outputs, new_session=False):
-        with open(outputs[0], "w") as stdout, open(outputs[1], "w") as stderr:
+        with contextlib.ExitStack() as files:
+            stdout = files.enter_context(open(outputs[0], "w"))
+            if outputs[1] == outputs[0]:  # one file: stderr into stdout's, as `2>&1`
+                stderr = subprocess.STDOUT
+            else:
+                stderr = files.enter_context(open(outputs[1], "w"))
             super().__init__([str(arg) for arg in command], cwd=cwd, env=env, stdout=stdout,
                              stderr=stderr, start_new_session=new_session)
 
@@ -214,8 +220,11 @@ def torchrun_agent(args, cwd, env, outputs, server, started, new_session):
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in zip((1, 2), outputs):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    os.dup2(os.open(outputs[0], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+    if outputs[1] == outputs[0]:  # one file, one offset: as a shell's `> log 2>&1`
+        os.dup2(1, 2)
+    else:
+        os.dup2(os.open(outputs[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     sys.argv = ["torchrun", *args]
     fork_workers_from(server, started)
     status = 0

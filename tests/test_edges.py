@@ -26,10 +26,11 @@ from conftest import (
     run_command,
     script_with_lines,
     single_error_line,
+    start_torchrun,
     t5_args,
     torchrun_command,
 )
-from forked_torchrun import ForkedAgent, NewAgent, forks, start_python
+from forked_torchrun import forks, start_python
 
 FSDP2_SAVING = [*FSDP2_TINY, "--steps", 20, "--save-every", 5, "--checkpoint-dir", "ckpt"]
 FORMATS = {"full": [], "sharded": ["--checkpoint-format", "sharded"],
@@ -184,9 +185,7 @@ def start(cwd, command):
     for path in outputs:  # there to read at once (a forked agent opens them as it starts)
         path.write_text("")
     if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:  # workers() lists its workers
-        if forks(env):
-            return ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=True)
-        return NewAgent(command, cwd, env, outputs, new_session=True)
+        return start_torchrun(command, cwd, env, outputs, new_session=True)
     if forks(env) and command[0] == sys.executable and (
             job := start_python(command[1:], cwd, env, outputs)):
         return job

@@ -27,9 +27,9 @@ from conftest import (
     TORCHRUN_REPORT,
     run_command,
     single_error_line,
+    start_torchrun,
     warning_lines,
 )
-from forked_torchrun import ForkedAgent, NewAgent, forks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 TORCHFT = pytest.importorskip("torchft._torchft",
@@ -141,8 +141,7 @@ class GroupJobs(Lines):
                 self.readers.append(threading.Thread(target=self.read, args=(path, group),
                                                      daemon=True))
                 self.readers[-1].start()
-            self.jobs.append(ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs)
-                             if forks(env) else NewAgent(command, cwd, env, outputs))
+            self.jobs.append(start_torchrun(command, cwd, env, outputs))
 
     def read(self, path, group):
         """Each line of the file at path as it is written, until the jobs have ended."""

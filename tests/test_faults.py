@@ -14,27 +14,23 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     T5_SHARDED,
-    TORCHRUN,
     TORCHRUN_REPORT,
     checkpoint_writers,
     full_state_of,
     processes_left,
     run_command,
     script_with_lines,
+    start_torchrun,
     t5_args,
     torchrun_command,
 )
-from forked_torchrun import ForkedAgent, NewAgent, forks
 
 
 def launch(cwd, script, *args, max_restarts=0):
     """Start torchrun (2 processes) in the background, forked as run_command's are (as new
     processes when forks are off); its output goes to cwd/stdout.txt and cwd/stderr.txt."""
     command = torchrun_command(script, [*args, "--metrics-json", "metrics.json"], 2, max_restarts)
-    outputs = (cwd / "stdout.txt", cwd / "stderr.txt")
-    if forks(os.environ):
-        return ForkedAgent(command[len(TORCHRUN):], cwd, dict(os.environ), outputs)
-    return NewAgent(command, cwd, dict(os.environ), outputs)
+    return start_torchrun(command, cwd, dict(os.environ), (cwd / "stdout.txt", cwd / "stderr.txt"))
 
 
 def wait_for(condition, timeout, what):

@@ -21,6 +21,7 @@ from conftest import (
     plan_of,
     run_command,
     single_error_line,
+    start_torchrun,
     t5_args,
     torchrun_command,
     warning_lines,
@@ -148,7 +149,7 @@ def check_export(run, tiny_t5_dir, wikihow_dir):
 
 
 @SMOKE("t5_fsdp_finetune.py")
-def test_best_model_loads_in_a_fresh_process(t5_reference, tiny_t5_dir, wikihow_dir):
+def test_best_model_loads_in_plain_python(t5_reference, tiny_t5_dir, wikihow_dir):
     """The HF directory loads with from_pretrained, generates text, and gives the logged best
     validation loss."""
     run = t5_reference
@@ -449,14 +450,16 @@ def test_one_process_uses_no_shard_without_warnings(tmp_path, tiny_t5_dir, wikih
     neither wrapping nor saving the model prints a warning. Its output goes to one file, as a batch
     job's log does: no carriage returns or colour codes, each progress bar one line, and no line
     starts on a bar's line (as `Train Epoch` did after a bar cleared with a carriage return)."""
-    metrics_path = tmp_path / "metrics.json"
+    metrics_path, log = tmp_path / "metrics.json", tmp_path / "log.txt"
     command = torchrun_command(SCRIPT, [*t5_args(tiny_t5_dir, wikihow_dir, 1), "--metrics-json",
                                         metrics_path], 1)
-    with open(tmp_path / "log.txt", "wb") as log:
-        proc = subprocess.run([str(c) for c in command], cwd=tmp_path, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=300)
-    output = (tmp_path / "log.txt").read_bytes()
-    assert proc.returncode == 0, output.decode()
+    job = start_torchrun(command, tmp_path, dict(os.environ), outputs=(log, log))
+    try:
+        assert job.wait(300) == 0, log.read_text()
+    finally:
+        if job.poll() is None:  # timed out
+            job.kill()
+    output = log.read_bytes()
     assert b"\r" not in output and b"\x1b[" not in output
     lines = output.decode().splitlines()
     assert warning_lines("\n".join(lines)) == []
