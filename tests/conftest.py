@@ -490,6 +490,19 @@ def queue_cached_run(request, script, *args, nproc=2):
         EARLY_RUNS[key] = request.getfixturevalue("idle_queue").run(command, cwd, timeout=900)
 
 
+def greedy_summaries(model, tokenizer, dataset, max_new_tokens):
+    """Every article's summary in a summarization_dataset split, greedy, in batches of 4: as a
+    run on the tests' T5 settings generates them (--test-batch-size 4), here in plain Python."""
+    texts = []
+    with torch.no_grad():
+        for i in range(0, len(dataset), 4):
+            ids = model.generate(input_ids=dataset.source_ids[i:i + 4],
+                                 attention_mask=dataset.source_mask[i:i + 4],
+                                 max_new_tokens=max_new_tokens)
+            texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
+    return texts
+
+
 def t5_args(model_dir, data_dir, epochs, *args):
     return ["--model-name", model_dir, "--data-dir", data_dir, "--epochs", epochs, *T5_TINY, *args]
 

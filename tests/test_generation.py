@@ -11,8 +11,7 @@ import json
 import sys
 
 import pytest
-import torch
-from conftest import REPO, t5_args
+from conftest import REPO, greedy_summaries, t5_args
 from tiny_wikihow import DROPPED, articles, normalized, write_wikihow
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 
@@ -70,13 +69,7 @@ def generate_in_a_plain_process(data_dir, samples, folders, input_length=64, out
         model = T5ForConditionalGeneration.from_pretrained(folder).eval()
         val = wikihow(tokenizer, "validation", samples, input_length, output_length,
                       data_dir=data_dir)
-        summaries = []
-        with torch.no_grad():
-            for i in range(0, len(val), 4):
-                ids = model.generate(input_ids=val.source_ids[i:i + 4],
-                                     attention_mask=val.source_mask[i:i + 4],
-                                     max_new_tokens=output_length)
-                summaries += tokenizer.batch_decode(ids, skip_special_tokens=True)
+        summaries = greedy_summaries(model, tokenizer, val, max_new_tokens=output_length)
         results.append({"summaries": summaries,
                         "rouge": rouge_scores(summaries, val.references(tokenizer))})
     return results

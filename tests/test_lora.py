@@ -15,6 +15,7 @@ from conftest import (
     T5_VAL_SAMPLES,
     cached_t5_runs,
     full_state_of,
+    greedy_summaries,
     lora_args,
     plan_of,
     queue_cached_run,
@@ -181,16 +182,6 @@ def open_exports(base_dir, data_dir, exports):
                                        reduction="none")
         return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
 
-    def summaries(model):
-        texts = []
-        with torch.no_grad():
-            for i in range(0, len(val), 4):
-                ids = model.generate(input_ids=val.source_ids[i:i + 4],
-                                     attention_mask=val.source_mask[i:i + 4],
-                                     max_new_tokens=T5_OUTPUT_LENGTH)
-                texts += tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return texts
-
     results = []
     for merged, adapter in zip(exports[::2], exports[1::2]):
         opened = T5ForConditionalGeneration.from_pretrained(merged)
@@ -198,7 +189,9 @@ def open_exports(base_dir, data_dir, exports):
         base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)
         with_adapters = PeftModel.from_pretrained(base, adapter)
         results.append({"merged": loss(opened), "dtype": str(opened.dtype),
-                        "adapter": loss(with_adapters), "summaries": summaries(with_adapters)})
+                        "adapter": loss(with_adapters),
+                        "summaries": greedy_summaries(with_adapters, tokenizer, val,
+                                                      max_new_tokens=T5_OUTPUT_LENGTH)})
     return results
 
 

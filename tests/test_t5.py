@@ -18,6 +18,7 @@ from conftest import (
     T5_REFERENCE,
     T5_SHARDED,
     T5_TINY,
+    greedy_summaries,
     plan_of,
     run_command,
     single_error_line,
@@ -118,11 +119,7 @@ def evaluate_export(hf_dir, pt_file, plain_dir, data_dir, samples, input_length,
         token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
         # the mean over examples of token means
         val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
-        summaries = []  # of every article, in batches of 4, greedy: as the run generates them
-        for i in range(0, len(val), 4):
-            generated = model.generate(val.source_ids[i:i + 4], max_new_tokens=output_length,
-                                       attention_mask=val.source_mask[i:i + 4])
-            summaries += tokenizer.batch_decode(generated, skip_special_tokens=True)
+    summaries = greedy_summaries(model, tokenizer, val, max_new_tokens=output_length)
     return {"val_loss": val_loss, "same": same, "summaries": summaries,
             "rouge": rouge_scores(summaries, val.references(tokenizer))}
 
