@@ -490,6 +490,17 @@ def queue_cached_run(request, script, *args, nproc=2):
         EARLY_RUNS[key] = request.getfixturevalue("idle_queue").run(command, cwd, timeout=900)
 
 
+def validation_loss(model, dataset):
+    """The loss the scripts log for a summarization_dataset split, here in plain Python: the mean
+    over articles of each one's mean token loss (in fp32), with model in eval mode."""
+    with torch.no_grad():
+        logits = model.eval()(input_ids=dataset.source_ids, attention_mask=dataset.source_mask,
+                              labels=dataset.target_ids).logits
+    token_losses = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2),
+                                                     dataset.target_ids, reduction="none")
+    return (token_losses.sum(1) / dataset.target_mask.sum(1)).mean().item()
+
+
 def greedy_summaries(model, tokenizer, dataset, max_new_tokens):
     """Every article's summary in a summarization_dataset split, greedy, in batches of 4: as a
     run on the tests' T5 settings generates them (--test-batch-size 4), here in plain Python."""

@@ -59,7 +59,7 @@ def recall_run(cached_torchrun, still_t5_dir, recall_dir, version):
     return result
 
 
-def generate_in_a_plain_process(data_dir, samples, folders, input_length=64, output_length=24):
+def generate_in_plain_python(data_dir, samples, folders, input_length=64, output_length=24):
     """[{"summaries", "rouge"}] of each model folder, as a user gets them in a plain Python (the
     test's own: no torchrun, no FSDP): greedy summaries of the validation articles, in batches of
     4, --output-length new tokens at most, scored."""
@@ -109,7 +109,7 @@ def test_rouge_rises_and_the_exports_write_the_same_summaries(cached_torchrun, s
     token, the summaries that the 2 ranks generated from their shards in that epoch, and
     rouge_score gives them the run's ROUGE: FSDP2's and FSDP1's (one epoch on from FSDP2's)."""
     runs = [recall_run(cached_torchrun, still_t5_dir, recall_dir, version) for version in (2, 1)]
-    before, *afters = generate_in_a_plain_process(
+    before, *afters = generate_in_plain_python(
         recall_dir, RECALL_ARTICLES, [still_t5_dir, *(run.metrics["checkpoint"] for run in runs)])
     assert before["rouge"]["rougeL"] < 10, before["rouge"]
     for run, after, epochs in zip(runs, afters, (RECALL_EPOCHS, 1)):

@@ -19,8 +19,11 @@ from conftest import (
     lora_args,
     plan_of,
     queue_cached_run,
+    validation_loss,
     warning_lines,
 )
+
+sys.path.insert(0, str(REPO))  # where summarization_dataset is (open_exports)
 
 SCRIPT = "t5_fsdp_finetune.py"
 BASE = "base_model.model."  # the prefix of the base model's names in a PeftModel's state dict
@@ -162,25 +165,14 @@ def open_exports(base_dir, data_dir, exports):
     loss of the merged model (from_pretrained) and of the adapters put on the pretrained base
     (PeftModel.from_pretrained), its dtype, and the adapters' greedy summaries (every article's,
     in batches of 4: as the run generates them)."""
-    import torch
-    import torch.nn.functional as F
     from peft import PeftModel
     from transformers import T5ForConditionalGeneration, T5Tokenizer
 
-    sys.path.insert(0, str(REPO))  # where summarization_dataset is
     from summarization_dataset import wikihow
 
     tokenizer = T5Tokenizer.from_pretrained(base_dir)
     val = wikihow(tokenizer, "validation", T5_VAL_SAMPLES, T5_INPUT_LENGTH, T5_OUTPUT_LENGTH,
                   data_dir=data_dir)
-
-    def loss(model):
-        with torch.no_grad():
-            logits = model.eval()(input_ids=val.source_ids, attention_mask=val.source_mask,
-                                  labels=val.target_ids).logits
-        token_losses = F.cross_entropy(logits.float().transpose(1, 2), val.target_ids,
-                                       reduction="none")
-        return (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
 
     results = []
     for merged, adapter in zip(exports[::2], exports[1::2]):
@@ -188,8 +180,8 @@ def open_exports(base_dir, data_dir, exports):
         # the base in the dtype it trained in
         base = T5ForConditionalGeneration.from_pretrained(base_dir, dtype=opened.dtype)
         with_adapters = PeftModel.from_pretrained(base, adapter)
-        results.append({"merged": loss(opened), "dtype": str(opened.dtype),
-                        "adapter": loss(with_adapters),
+        results.append({"merged": validation_loss(opened, val), "dtype": str(opened.dtype),
+                        "adapter": validation_loss(with_adapters, val),
                         "summaries": greedy_summaries(with_adapters, tokenizer, val,
                                                       max_new_tokens=T5_OUTPUT_LENGTH)})
     return results

@@ -25,6 +25,7 @@ from conftest import (
     start_torchrun,
     t5_args,
     torchrun_command,
+    validation_loss,
     warning_lines,
 )
 from conftest import T5_INPUT_LENGTH as INPUT_LENGTH
@@ -113,14 +114,8 @@ def evaluate_export(hf_dir, pt_file, plain_dir, data_dir, samples, input_length,
         pairs = zip(plain.state_dict().values(), model.state_dict().values())
         same = all(torch.equal(p, q) for p, q in pairs)
     val = wikihow(tokenizer, "validation", samples, input_length, output_length, data_dir=data_dir)
-    with torch.no_grad():
-        logits = model(input_ids=val.source_ids, attention_mask=val.source_mask,
-                       labels=val.target_ids).logits
-        token_losses = F.cross_entropy(logits.transpose(1, 2), val.target_ids, reduction="none")
-        # the mean over examples of token means
-        val_loss = (token_losses.sum(1) / val.target_mask.sum(1)).mean().item()
     summaries = greedy_summaries(model, tokenizer, val, max_new_tokens=output_length)
-    return {"val_loss": val_loss, "same": same, "summaries": summaries,
+    return {"val_loss": validation_loss(model, val), "same": same, "summaries": summaries,
             "rouge": rouge_scores(summaries, val.references(tokenizer))}
 
 
