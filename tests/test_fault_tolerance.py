@@ -55,17 +55,23 @@ class Lines:
     def running(self):
         raise NotImplementedError
 
-    def wait_for(self, pattern, timeout=180):
-        """The time of the first line matching pattern, waiting for it."""
+    def wait_until(self, condition, timeout=180, waiting_for="the condition"):
+        """The first value of condition() that is not None, asked every 50 ms while the jobs run,
+        for timeout seconds at most."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [at for at, _, line in self.lines if re.search(pattern, line)]
-            if found:
-                return found[0]
+            if (value := condition()) is not None:
+                return value
             if not self.running():
                 break
             time.sleep(0.05)
-        raise AssertionError(f"no line matches {pattern!r}:\n{self.output}")
+        raise AssertionError(f"no {waiting_for}:\n{self.output}")
+
+    def wait_for(self, pattern, timeout=180):
+        """The time of the first line matching pattern, waiting for it."""
+        return self.wait_until(
+            lambda: next((at for at, _, line in self.lines if re.search(pattern, line)), None),
+            timeout, f"line matches {pattern!r}")
 
     @property
     def output(self):
@@ -356,10 +362,8 @@ def test_a_stopped_group_is_left_behind_in_one_line(tmp_path):
     with Lighthouse(tmp_path, min_replicas=1) as server, GroupJobs(
             tmp_path, server.address, 1, *FT, "--steps", STOPPED_STEPS,
             "--dist-timeout", 8) as groups:
-        deadline = time.monotonic() + 180
-        while (live := live_group(groups, 5)) is None:
-            assert time.monotonic() < deadline and groups.running(), groups.output
-            time.sleep(0.05)
+        live = groups.wait_until(lambda: live_group(groups, 5),
+                                 waiting_for="group trained from step 1 to step 5")
         hung = groups.workers(1 - live)[0]
         os.kill(hung, signal.SIGSTOP)
         stopped, at = time.monotonic(), groups.steps(live)[-1][1]
@@ -388,10 +392,9 @@ def test_a_killed_lighthouse_ends_each_group_in_one_line(tmp_path):
     joined after group 1's step 22, and a wait for its step 5 timed out)."""
     with Lighthouse(tmp_path, min_replicas=1) as server, GroupJobs(
             tmp_path, server.address, 1, *FT, "--steps", 1000, "--dist-timeout", 10) as groups:
-        deadline = time.monotonic() + 120
-        while not all(any(step >= 5 for _, step in groups.steps(group)) for group in (0, 1)):
-            assert time.monotonic() < deadline and groups.running(), groups.output
-            time.sleep(0.05)
+        groups.wait_until(lambda: all(any(step >= 5 for _, step in groups.steps(group))
+                                      for group in (0, 1)) or None,
+                          timeout=120, waiting_for="step 5 or later in both groups")
         server.process.send_signal(signal.SIGKILL)
         started = time.monotonic()
         codes = groups.wait(120)
