@@ -20,6 +20,7 @@ import pytest
 import torch
 from digits_mnist import write_digits_mnist
 from forked_torchrun import (
+    IDLE_VARIABLE,
     SWITCH,
     ForkedAgent,
     NewAgent,
@@ -133,9 +134,6 @@ def start_early(request, offline_hf):
             module.start_early(request)
 
 
-IDLE_VARIABLE = "FSDP_TESTS_IDLE"  # set to 1 in the environment of every process an Idle starts
-
-
 class Idle:
     """A command started at the lowest CPU priority, in its own session, output to files in cwd:
     it runs on the cores the other tests leave idle (26% of the 2 cores' time during the suite,
@@ -143,14 +141,22 @@ class Idle:
     code, stdout, stderr); a run still going as the session ends (request's) is killed with all it
     started. The priority: nice 19 (through the nice command, not Popen's preexec_fn, which may
     deadlock in a process with threads), and, where Linux groups each session's processes for
-    scheduling (autogroup), the group's nice 19 too (lower_idle_autogroups)."""
+    scheduling (autogroup), the group's nice 19 too (lower_idle_autogroups). A torchrun_command
+    is forked as run_command's are (its agent and workers lower their own priority: IDLE_VARIABLE
+    in forked_torchrun), where a new process would import torch and the script's modules again
+    (over a CI run: 5-6 s of CPU for each worker of fsdp2_transformer.py, 3-4 s for torchrun)."""
 
     def __init__(self, request, command, cwd, env=None):
         self.cwd = Path(cwd)
         env = {**(env or os.environ), IDLE_VARIABLE: "1"}
-        with open(self.cwd / "idle.stdout", "w") as out, open(self.cwd / "idle.stderr", "w") as err:
-            self.proc = subprocess.Popen(["nice", "-n", "19", *map(str, command)], cwd=cwd,
-                                         env=env, stdout=out, stderr=err, start_new_session=True)
+        command = [str(c) for c in command]
+        outputs = (self.cwd / "idle.stdout", self.cwd / "idle.stderr")
+        if forks(env) and command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
+            self.proc = ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=True)
+        else:
+            with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
+                self.proc = subprocess.Popen(["nice", "-n", "19", *command], cwd=cwd, env=env,
+                                             stdout=out, stderr=err, start_new_session=True)
         if request:  # else the caller kills it (IdleQueue)
             request.addfinalizer(self.kill)
         start_lowering_idle_autogroups()
@@ -481,8 +487,7 @@ def cached_key(script, args, nproc):
 
 def queue_cached_run(request, script, *args, nproc=2):
     """From a start_early: queue the run that cached_torchrun(script, *args, nproc=nproc) gives,
-    in the background at the lowest priority (idle_queue), as new processes (a run with a
-    forked agent and workers would start from the test process's priority)."""
+    in the background at the lowest priority (idle_queue)."""
     key = cached_key(script, args, nproc)
     if key not in EARLY_RUNS:
         cwd = request.getfixturevalue("tmp_path_factory").mktemp(Path(script).stem)

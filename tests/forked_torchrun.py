@@ -51,6 +51,8 @@ from pathlib import Path
 AGENTS = multiprocessing.get_context("forkserver")
 AGENTS.set_forkserver_preload(["torch.distributed.run", "forked_torchrun"])
 SWITCH = "FSDP_TESTS_FORK"  # FSDP_TESTS_FORK=0: every run is a new process
+# FSDP_TESTS_IDLE=1 in a run's environment: its processes run at the lowest priority
+IDLE_VARIABLE = "FSDP_TESTS_IDLE"
 # the module of the private hook that fork_workers_from replaces
 HANDLER_MODULE = "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"
 
@@ -217,6 +219,7 @@ def torchrun_agent(args, cwd, env, outputs, server, started, new_session):
     it starts adds a line `RANK pid` to the file `started`."""
     if new_session:
         os.setsid()
+    lower_priority(env)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -267,9 +270,13 @@ def worker_server(script, env):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(address)  # clients may connect now; the server accepts once it imported
             listener.listen(64)
+            # without IDLE_VARIABLE: the server runs in the test session, whose scheduling group
+            # conftest lowers where a process of it has IDLE_VARIABLE=1 in its environment
+            server_env = {key: value for key, value in env.items() if key != IDLE_VARIABLE}
             subprocess.Popen([sys.executable, __file__, script, str(listener.fileno()),
-                              str(LIFELINE[0])], env=env, pass_fds=(listener.fileno(), LIFELINE[0]),
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              str(LIFELINE[0])], env=server_env,
+                             pass_fds=(listener.fileno(), LIFELINE[0]), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL,
                              stderr=open(os.path.join(folder, "server.log"), "w"), cwd=folder)
             listener.close()
             SERVERS[name] = (address, imports_read(env))
@@ -279,10 +286,29 @@ def worker_server(script, env):
 
 def imports_read(env):
     """What importing may read of an environment: all of it but the name of the current test,
-    OMP_NUM_THREADS (each worker applies its own) and TORCHFT_LIGHTHOUSE (torchft reads it as a
-    worker makes its Manager, not on import; a replica group's job, which has it, then forks)."""
-    return {key: value for key, value in env.items()
-            if key not in ("PYTEST_CURRENT_TEST", "OMP_NUM_THREADS", "TORCHFT_LIGHTHOUSE")}
+    OMP_NUM_THREADS (each worker applies its own), TORCHFT_LIGHTHOUSE (torchft reads it as a
+    worker makes its Manager, not on import; a replica group's job, which has it, then forks),
+    IDLE_VARIABLE (each agent and worker applies its own: lower_priority) and
+    TORCHINDUCTOR_CACHE_DIR: inductor sets it in the test session's own environment, to the
+    folder it would use anyway, when the session first names its cache (building a model there
+    on the meta device does); a server started before, from a run queued as the session starts,
+    then refused every later run of its script (each became new processes)."""
+    return {key: value for key, value in env.items() if key not in (
+        "PYTEST_CURRENT_TEST", "OMP_NUM_THREADS", "TORCHFT_LIGHTHOUSE", IDLE_VARIABLE,
+        "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def lower_priority(env):
+    """In a forked agent or worker, with IDLE_VARIABLE=1 in its run's environment: nice 19, as
+    conftest's Idle starts its new processes; and, where Linux groups each session's processes
+    for scheduling (autogroup, in which a nice counts only within the group), its session's group
+    too, if it leads that session (never the test session's). Whatever it starts inherits both."""
+    if env.get(IDLE_VARIABLE) != "1":
+        return
+    os.nice(19 - os.nice(0))
+    if os.getsid(0) == os.getpid():
+        with contextlib.suppress(OSError):  # no autogroup here
+            Path("/proc/self/autogroup").write_text("19")
 
 
 # --- in the agent: its workers, from the server -----------------------------------------------
@@ -462,6 +488,7 @@ def run_worker(request, printed):
     args, env, cwd = request
     atexit.register(unfreeze_for_nanobind)
     os.setsid()  # as torchrun starts it: it signals the worker's process group
+    lower_priority(env)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

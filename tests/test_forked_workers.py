@@ -8,11 +8,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import forked_torchrun
 import pytest
-from conftest import FSDP2_TINY, run_command, script_with_lines, torchrun_command
-from forked_torchrun import SWITCH, hook_as_expected
+from conftest import FSDP2_TINY, Idle, run_command, script_with_lines, torchrun_command
+from forked_torchrun import SWITCH, forks, hook_as_expected
 
 # Put after the script's imports: what the script sees of its process, then exit status 3 once
 # every rank has written its facts (torchrun stops the other workers when one exits non-zero: a
@@ -71,6 +72,36 @@ def test_a_forked_worker_sees_what_a_new_process_sees(tmp_path, launcher):
     if launcher == "python":  # forked: in its own session, unbuffered (no output is lost)
         forked[2][0].update(own_session=False, unbuffered=new[2][0]["unbuffered"])
     assert forked == new
+
+
+# Put after the script's imports: each rank's priority, and whether it was forked, then exit
+PRIORITY = """
+import json as _json
+_group = "/proc/self/autogroup"
+with open(f"priority{os.environ['RANK']}.json", "w") as _file:
+    _json.dump({"nice": os.nice(0),
+                "forked": "forked_torchrun.py" in open("/proc/self/cmdline").read(),
+                "autogroup": os.path.exists(_group)
+                and open(_group).read().rstrip().endswith(" nice 19")}, _file)
+raise SystemExit(0)
+"""
+
+
+def test_a_run_in_the_background_is_forked_at_the_lowest_priority(tmp_path):
+    """A torchrun run that conftest's Idle starts (its queue's: TP's, LoRA's compiled run, the
+    lessons' copies) is forked as the tests' runs are, and each of its workers runs at nice 19,
+    as does, where Linux groups a session's processes for scheduling, its session's group; the
+    test session keeps its own priority."""
+    script = script_with_lines("fsdp2_transformer.py", tmp_path,
+                               "from torch.utils.data import DataLoader\n", PRIORITY)
+    own = (os.nice(0), Path("/proc/self/autogroup").read_text())
+    status, stdout, stderr = Idle(None, torchrun_command(script, [], 2), tmp_path).wait(120)
+    assert status == 0, stdout + stderr
+    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    grouped = autogroup.exists() and autogroup.read_text().strip() == "1"
+    assert [json.loads((tmp_path / f"priority{rank}.json").read_text()) for rank in (0, 1)] == [
+        {"nice": 19, "forked": forks(os.environ), "autogroup": grouped}] * 2
+    assert (os.nice(0), Path("/proc/self/autogroup").read_text()) == own
 
 
 def torch_imports(stderr):
