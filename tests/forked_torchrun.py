@@ -306,8 +306,9 @@ def lower_priority(env):
     if env.get(IDLE_VARIABLE) != "1":
         return
     os.nice(19 - os.nice(0))
-    if os.getsid(0) == os.getpid():
-        with contextlib.suppress(OSError):  # no autogroup here
+    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    if os.getsid(0) == os.getpid() and enabled.exists() and enabled.read_text().strip() == "1":
+        with contextlib.suppress(OSError):
             Path("/proc/self/autogroup").write_text("19")
 
 
