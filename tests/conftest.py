@@ -24,6 +24,7 @@ from forked_torchrun import (
     SWITCH,
     ForkedAgent,
     NewAgent,
+    autogroups,
     cuda_devices,
     forked_python,
     forked_torchrun,
@@ -197,8 +198,7 @@ def lower_idle_autogroups():
 
 @functools.cache
 def start_lowering_idle_autogroups():
-    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
-    if enabled.exists() and enabled.read_text().strip() == "1":
+    if autogroups():
         threading.Thread(target=lower_idle_autogroups, daemon=True).start()
 
 

@@ -298,6 +298,13 @@ def imports_read(env):
         "TORCHINDUCTOR_CACHE_DIR")}
 
 
+def autogroups():
+    """Whether Linux groups each session's processes for scheduling (autogroup), a nice counting
+    only within its group."""
+    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    return enabled.exists() and enabled.read_text().strip() == "1"
+
+
 def lower_priority(env):
     """In a forked agent or worker, with IDLE_VARIABLE=1 in its run's environment: nice 19, as
     conftest's Idle starts its new processes; and, where Linux groups each session's processes
@@ -306,8 +313,7 @@ def lower_priority(env):
     if env.get(IDLE_VARIABLE) != "1":
         return
     os.nice(19 - os.nice(0))
-    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
-    if os.getsid(0) == os.getpid() and enabled.exists() and enabled.read_text().strip() == "1":
+    if os.getsid(0) == os.getpid() and autogroups():
         with contextlib.suppress(OSError):
             Path("/proc/self/autogroup").write_text("19")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import forked_torchrun
 import pytest
 from conftest import FSDP2_TINY, Idle, run_command, script_with_lines, torchrun_command
-from forked_torchrun import SWITCH, forks, hook_as_expected
+from forked_torchrun import SWITCH, autogroups, forks, hook_as_expected
 
 # Put after the script's imports: what the script sees of its process, then exit status 3 once
 # every rank has written its facts (torchrun stops the other workers when one exits non-zero: a
@@ -97,8 +97,7 @@ def test_a_run_in_the_background_is_forked_at_the_lowest_priority(tmp_path):
     own = (os.nice(0), Path("/proc/self/autogroup").read_text())
     status, stdout, stderr = Idle(None, torchrun_command(script, [], 2), tmp_path).wait(120)
     assert status == 0, stdout + stderr
-    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
-    grouped = autogroup.exists() and autogroup.read_text().strip() == "1"
+    grouped = autogroups()
     assert [json.loads((tmp_path / f"priority{rank}.json").read_text()) for rank in (0, 1)] == [
         {"nice": 19, "forked": forks(os.environ), "autogroup": grouped}] * 2
     assert (os.nice(0), Path("/proc/self/autogroup").read_text()) == own
