@@ -152,8 +152,8 @@ class Idle:
         env = {**(env or os.environ), IDLE_VARIABLE: "1"}
         command = [str(c) for c in command]
         outputs = (self.cwd / "idle.stdout", self.cwd / "idle.stderr")
-        if forks(env) and command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
-            self.proc = ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=True)
+        if forks(env) and (arguments := torchrun_arguments(command)) is not None:
+            self.proc = ForkedAgent(arguments, cwd, env, outputs, new_session=True)
         else:
             with open(outputs[0], "w") as out, open(outputs[1], "w") as err:
                 self.proc = subprocess.Popen(["nice", "-n", "19", *command], cwd=cwd, env=env,
@@ -318,8 +318,8 @@ def run_command(command, cwd, timeout, env=None):
     metrics_path.unlink(missing_ok=True)  # never read an earlier run's metrics
     env = {**os.environ, **(env or {})}
     fork = forks(env)  # else every process is a new one, as torchrun and python start them
-    if fork and command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
-        returncode, stdout, stderr = forked_torchrun(command[len(TORCHRUN):], cwd, timeout, env)
+    if fork and (arguments := torchrun_arguments(command)) is not None:
+        returncode, stdout, stderr = forked_torchrun(arguments, cwd, timeout, env)
     elif fork and command[0] == sys.executable and command[1].endswith(".py") and (
             forked := forked_python(command[1:], cwd, timeout, env)):
         returncode, stdout, stderr = forked
@@ -337,7 +337,7 @@ def start_torchrun(command, cwd, env, outputs, new_session=False):
     job's `> log 2>&1`)."""
     command = [str(c) for c in command]
     if forks(env):
-        return ForkedAgent(command[len(TORCHRUN):], cwd, env, outputs, new_session=new_session)
+        return ForkedAgent(torchrun_arguments(command), cwd, env, outputs, new_session=new_session)
     return NewAgent(command, cwd, env, outputs, new_session=new_session)
 
 
@@ -367,6 +367,13 @@ def pytest_terminal_summary(terminalreporter):
 TORCHRUN = [sys.executable, "-c", "import atexit, gc, runpy, sys; atexit.register(gc.freeze); "
             "sys.argv[0] = 'torchrun'; "
             "runpy.run_module('torch.distributed.run', run_name='__main__')"]
+
+
+def torchrun_arguments(command):
+    """torchrun's arguments if command (strings) is a torchrun_command, else None."""
+    if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:
+        return command[len(TORCHRUN):]
+    return None
 
 
 def plan_of(script, cwd, *args):

@@ -20,7 +20,6 @@ from conftest import (
     FSDP2_TINY,
     MNIST_TINY,
     REPO,
-    TORCHRUN,
     full_state_of,
     processes_left,
     run_command,
@@ -28,6 +27,7 @@ from conftest import (
     single_error_line,
     start_torchrun,
     t5_args,
+    torchrun_arguments,
     torchrun_command,
 )
 from forked_torchrun import forks, start_python
@@ -184,7 +184,7 @@ def start(cwd, command):
     outputs = (cwd / "stdout.txt", cwd / "stderr.txt")
     for path in outputs:  # there to read at once (a forked agent opens them as it starts)
         path.write_text("")
-    if command[:len(TORCHRUN)] == [str(c) for c in TORCHRUN]:  # workers() lists its workers
+    if torchrun_arguments(command) is not None:  # workers() lists its workers
         return start_torchrun(command, cwd, env, outputs, new_session=True)
     if forks(env) and command[0] == sys.executable and (
             job := start_python(command[1:], cwd, env, outputs)):
