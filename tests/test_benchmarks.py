@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,6 +164,17 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
     assert t5 == sorted((lora, v, compiled) for lora in (False, True)
                         for v, compiled in (("1", False), ("2", False), ("2", True)))
     assert all("--nproc_per_node 1" in run for run in check)
+    # One run of each row by default, and of pytest -m gpu always: the runner's --repeats 3 made
+    # it 30 runs, three of them the GPU tests, which alone outlasted 9 minutes on an H200.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench
+    import run as runner
+    from bench import gpu_check
+
+    for argv, runs in (([], 10), (["--gpu-check-repeats", "3"], 28)):
+        args = runner.parse_args(bench.load(), ["--only", "gpu-check", "--dry-run", *argv])
+        configs = gpu_check.runs(SimpleNamespace(args=args, lora_model="t5", lora_data="data"))
+        assert sum(config["repeats"] for config in configs) == runs, argv
     if not torch.cuda.is_available():
         refused = subprocess.run([sys.executable, REPO / "benchmarks" / "run.py", "--only",
                                   "gpu-check"], capture_output=True, text=True, timeout=120)

@@ -1,10 +1,10 @@
 """gpu-check: what a lent GPU is checked for, in one command of about 8 minutes on one GPU:
-`pytest -m gpu`, then the headline rows, one run each: C1B in bf16 and with float8 (tokens/s,
-MFU), C1B's asynchronous saves (the first save's pause and a later one's, saves 100 steps apart:
-beyond the background write of 12.5 GB), T5 at the lora-gpu rows' shape (t5-base, 512 + 128
-tokens, batch 16, bf16) fully fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and (FSDP2)
-compiled, and each T5 run's --plan peak against its measured peak. One markdown table, with the
-card and the versions."""
+`pytest -m gpu`, then the headline rows, one run each (--gpu-check-repeats): C1B in bf16 and with
+float8 (tokens/s, MFU), C1B's asynchronous saves (the first save's pause and a later one's, saves
+100 steps apart: beyond the background write of 12.5 GB), T5 at the lora-gpu rows' shape (t5-base,
+512 + 128 tokens, batch 16, bf16) fully fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and
+(FSDP2) compiled, and each T5 run's --plan peak against its measured peak. One markdown table,
+with the card and the versions."""
 import json
 import re
 import subprocess
@@ -35,21 +35,29 @@ T5_ROWS = {f"T5 {row}, FSDP{version}{', --compile' if compiled else ''}": (flags
 PYTEST = "pytest -m gpu"
 
 
+def add_flags(group):
+    group.add_argument("--gpu-check-repeats", type=int, default=1, metavar="N",
+                       help="gpu-check: runs of each row, the median taken (--repeats is for "
+                            "the others); pytest -m gpu runs once")
+
+
 def check(args, asked, error):
+    common.at_least_one(args, error, "gpu_check_repeats")
     if asked and (args.no_gpu or not torch.cuda.is_available()) and not args.dry_run:
         error("gpu-check checks a CUDA GPU, and none is visible here: run it where one is lent")
 
 
 def runs(ctx):
     """World size 1 on the first GPU: the GPU tests, C1B's rows, then T5's."""
+    repeats = ctx.args.gpu_check_repeats
     configs = [{"device": "cuda", "world_size": 1, "name": PYTEST, "kind": "pytest",
-                "script": "tests"}]
+                "script": "tests", "repeats": 1}]
     configs += [{"device": "cuda", "world_size": 1, "name": name, "kind": "c1b",
-                 "script": "fsdp2_transformer.py",
+                 "repeats": repeats, "script": "fsdp2_transformer.py",
                  "args": [*fsdp2_gpu.C1B, *flags, "--log-every", "10"]}
                 for name, flags in C1B_ROWS.items()]
     configs += [{"device": "cuda", "world_size": 1, "name": name, "kind": "t5",
-                 "samples": T5_SAMPLES, "script": "t5_fsdp_finetune.py",
+                 "repeats": repeats, "samples": T5_SAMPLES, "script": "t5_fsdp_finetune.py",
                  "args": [*t5_args(ctx), *flags, "--fsdp-version", str(version),
                           *(["--compile"] if compiled else [])]}
                 for name, (flags, version, compiled) in T5_ROWS.items()]
@@ -133,10 +141,15 @@ def tables(ctx, configs):
     return ["\n### GPU check\n",
             f"{card}; torch {torch.__version__}, "
             + ", ".join(f"{name} {version}" for name, version in versions.items())
-            + f". One run each. T5: `{' '.join(lora_gpu.SIZES)}`, {T5_SAMPLES} samples, "
-            f"{T5_EPOCHS} epochs, samples/s of the epochs after the first; C1B: "
+            + f". {runs_said(ctx.args)}. T5: `{' '.join(lora_gpu.SIZES)}`, {T5_SAMPLES} "
+            f"samples, {T5_EPOCHS} epochs, samples/s of the epochs after the first; C1B: "
             f"`{' '.join(fsdp2_gpu.C1B)}`.\n",
             markdown_table(["run", "result"], rows)]
+
+
+def runs_said(args):
+    repeats = args.gpu_check_repeats
+    return "One run each" if repeats == 1 else f"The median of {repeats} runs each"
 
 
 def version_of(package):
