@@ -383,10 +383,11 @@ def test_cpu_reports_gflops_and_no_mfu(fsdp2_reference):
 
 
 @pytest.mark.gpu
-def test_one_gpu_initializes_sharded_and_reports_mfu(torchrun):
+def test_one_gpu_initializes_sharded_and_reports_mfu(cached_torchrun):
     """On a GPU, parameters are initialized by DTensor's random ops (no full tensor on any rank):
-    the model still learns, and TFLOP/s and (on a GPU of the table) MFU are reported."""
-    result = torchrun(SCRIPT, "--mixed-precision", nproc=1)
+    the model still learns, and TFLOP/s and (on a GPU of the table) MFU are reported. (The run is
+    the float8 test's bf16 reference too: one run, where each test ran its own.)"""
+    result = cached_torchrun(SCRIPT, "--mixed-precision", nproc=1)
     assert result.returncode == 0, result.output
     metrics = result.metrics
     assert metrics["device"] == "cuda" and metrics["train_loss"] < 0.5 * math.log(128)
@@ -395,14 +396,14 @@ def test_one_gpu_initializes_sharded_and_reports_mfu(torchrun):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_float8_trains_as_bf16_does(torchrun, scaling):
+def test_float8_trains_as_bf16_does(torchrun, cached_torchrun, scaling):
     """--float8 (torchao, a GPU of compute capability 8.9+) over the default 200 steps, with and
     without --compile: the mean loss of all 200 steps within 10% of bf16's, and of the last 20
     within 0.1 (the task's loss falls from ln 128 = 4.85 to about 0.1)."""
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability 8.9 or later")
-    bf16 = torchrun(SCRIPT, "--mixed-precision", nproc=1)
+    bf16 = cached_torchrun(SCRIPT, "--mixed-precision", nproc=1)  # the MFU test's run
     assert bf16.returncode == 0, bf16.output
     for compiled in ([], ["--compile"]):
         float8 = torchrun(SCRIPT, "--mixed-precision", "--float8", scaling, *compiled, nproc=1)
