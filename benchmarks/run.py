@@ -70,9 +70,12 @@ def parse_args(benchmarks, argv=None):
              "(at least 3 without --smoke)")
     add("--smoke", action="store_true",
         help="allow --repeats below 3, to check that the harness works; the tables say so")
-    add("--out", default=None, metavar="FILE", help="also write the markdown to FILE")
+    add("--out", default=None, metavar="FILE",
+        help="also write the markdown to FILE, after every run (the tables so far, marked "
+             "partial: a harness stopped early keeps what it measured) and at the end")
     add("--raw-json", default=None, metavar="FILE",
-        help="write every run (command, metrics JSON, the figures taken from it) to FILE")
+        help="write every run (command, metrics JSON, the figures taken from it) to FILE, after "
+             "every run and at the end")
     add("--no-gpu", action="store_true",
         help="skip the GPU runs even when a CUDA GPU is visible")
     add("--timeout", type=int, default=900, metavar="S",
@@ -144,10 +147,11 @@ def cpu_seconds_of_children():
     return usage.ru_utime + usage.ru_stime
 
 
-def run_all(ctx, by_name, configs):
+def run_all(ctx, by_name, configs, after_each):
     """Every configuration's runs: those of the benchmarks that take turns first (each
     configuration once, then again), then the others, each configuration's runs in a row. A
-    configuration whose run failed runs no more. Returns every run's record."""
+    configuration whose run failed runs no more. after_each(runs so far, runs planned) follows
+    every run. Returns every run's record."""
     for config in configs:
         config["figures"], config["failed"] = [], False  # one dict per successful run
         config.setdefault("repeats", ctx.args.repeats)  # hf-load's: --hf-load-repeats
@@ -162,6 +166,7 @@ def run_all(ctx, by_name, configs):
         if not config["failed"]:
             log(f"[{len(runs) + 1}/{total}] {label(config)}, run {repeat}/{config['repeats']}")
             runs.append(run_once(ctx, by_name[config["benchmark"]], config, repeat=repeat))
+            after_each(runs, total)
     return runs
 
 
@@ -233,22 +238,27 @@ def machine_said(ctx):
                else ", no GPU used"))
 
 
-def report(ctx, asked, configs, runs, elapsed):
+def report(ctx, asked, configs, runs, elapsed, planned=None):
     """The markdown: the header (machine, command, what a figure is, ctx.notes), then each
-    benchmark's tables, in the order of the runs, and the total time."""
+    benchmark's tables, in the order of the runs, and the total time; with planned (the number of
+    runs), a partial report of the runs so far, which says so."""
     args = ctx.args
     threads = (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
                if "OMP_NUM_THREADS" in os.environ
                else "OMP_NUM_THREADS unset (torchrun sets 1 per process when it starts more than "
                     "one; one process uses every core)")
-    out = [f"Measured on: {machine_said(ctx)}; {threads}.",
-           f"Command: `{shlex.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.",
-           f"Every figure is the {runs_said(args)} of the configuration. Epoch time: per run, the "
-           "median of the epochs after the first; then the median over runs. Memory per rank is "
-           "the maximum over ranks."]
+    out = []
+    if planned:
+        out.append(f"**Partial: {len(runs)} of {planned} runs so far** (n/a: not run yet; this "
+                   "file is rewritten after every run, and once more at the end).")
+    out += [f"Measured on: {machine_said(ctx)}; {threads}.",
+            f"Command: `{shlex.join(['python', 'benchmarks/run.py', *sys.argv[1:]])}`.",
+            f"Every figure is the {runs_said(args)} of the configuration. Epoch time: per run, "
+            "the median of the epochs after the first; then the median over runs. Memory per "
+            "rank is the maximum over ranks."]
     own = [b.figures_note(args) for b in asked if hasattr(b, "figures_note")]
     if own:  # benchmarks that count their runs otherwise
-        out[2] = " ".join(own if len(own) == len(asked) else [out[2], *own])
+        out[-1] = " ".join(own if len(own) == len(asked) else [out[-1], *own])
     out += ctx.notes
     for device in ctx.devices:
         for benchmark in (b for b in asked if b.PER_DEVICE):
@@ -281,16 +291,22 @@ def main():
         sys.exit(0)
     for benchmark in (b for b in asked if hasattr(b, "prepare")):
         benchmark.prepare(ctx)
-    runs = run_all(ctx, by_name, configs)
-    markdown = report(ctx, asked, configs=configs, runs=runs,
-                      elapsed=lambda: time.perf_counter() - started)
-    print(markdown)
-    if args.out:
-        Path(args.out).write_text(markdown)
-    if args.raw_json:
-        Path(args.raw_json).write_text(json.dumps({"machine": machine_said(ctx),
-                                                   "settings": vars(args), "runs": runs},
-                                                  indent=2, default=str))
+
+    def write(runs, planned=None):
+        """--out and --raw-json: after every run (planned: how many), so that a run stopped by a
+        time limit (a lent GPU's) keeps the figures of the runs it finished, then at the end."""
+        markdown = report(ctx, asked, configs=configs, runs=runs, planned=planned,
+                          elapsed=lambda: time.perf_counter() - started)
+        if args.out:
+            Path(args.out).write_text(markdown)
+        if args.raw_json:
+            Path(args.raw_json).write_text(json.dumps({"machine": machine_said(ctx),
+                                                       "settings": vars(args), "runs": runs},
+                                                      indent=2, default=str))
+        return markdown
+
+    runs = run_all(ctx, by_name, configs, after_each=write)
+    print(write(runs))
     shutil.rmtree(ctx.tmp, ignore_errors=True)  # the fixtures and what the runs wrote
     if ctx.failures:
         log(f"{len(ctx.failures)} run(s) FAILED (their stderr is shown above):")

@@ -7,9 +7,11 @@ be shown and fail the harness without hiding the rest.
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -154,8 +156,8 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
                   for run in gpu) == sorted((lora, bf16, v) for v in "12" for lora, bf16 in
                                             ((False, False), (True, False), (True, True)))
     check = [run for run in runs if run not in export and run not in gpu]
-    assert any(line.endswith("-m pytest -m gpu -q -p no:cacheprovider " + str(REPO / "tests"))
-               for line in proc.stdout.splitlines())
+    assert any(line.endswith("-m pytest -m gpu -q -rfE --durations=0 -p no:cacheprovider "
+                             + str(REPO / "tests")) for line in proc.stdout.splitlines())
     c1b = [run for run in check if "fsdp2_transformer.py" in run]
     assert len(c1b) == 3 and sum("--float8 tensorwise" in run for run in c1b) == 1
     assert sum("--async-checkpoint" in run and "--save-every 100" in run for run in c1b) == 1
@@ -181,6 +183,62 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
         assert refused.returncode == 2 and refused.stderr.splitlines()[-1].endswith(
             "error: gpu-check checks a CUDA GPU, and none is visible here: run it where one is "
             "lent"), refused.stderr
+
+
+def test_gpu_check_names_the_slowest_and_the_failed_tests(tmp_path):
+    """gpu-check's pytest run, on a file of three tests instead of the GPU tests: its row gives the
+    counts and the slowest tests (to size the check by), and a failed test's name and error line
+    reach the stderr that the runner prints for a failed run."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench import gpu_check
+
+    (tmp_path / "test_three.py").write_text(
+        "import time\n"
+        "def test_slow():\n    time.sleep(1.2)\n"
+        "def test_quick():\n    pass\n"
+        "def test_wrong():\n    assert 1 == 2, 'one is not two'\n")
+    config = {"kind": "pytest", "name": gpu_check.PYTEST}
+    command = gpu_check.command(config, tmp_path / "metrics.json")
+    assert command[-1] == str(REPO / "tests")
+    command = [*command[:-1], str(tmp_path / "test_three.py")]
+    marker = command.index("gpu")  # the three tests are not marked
+    del command[marker - 1:marker + 1]
+    returncode, stdout, stderr, seen = gpu_check.run(config, command, tmp_path, env=os.environ,
+                                                     timeout=120)
+    assert returncode == 1, stdout + stderr
+    assert stderr.splitlines()[-1].startswith("FAILED ") and "test_wrong" in stderr, stderr
+    assert "one is not two" in stderr, stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["passed"] == 2 and metrics["failed"] == 1
+    assert metrics["slowest"][0][0] == "test_slow" and metrics["slowest"][0][1] >= 1.2
+
+
+def test_a_stopped_harness_keeps_what_it_measured(tmp_path):
+    """--out and --raw-json are written after every run: a harness stopped by a time limit (SIGTERM
+    to its process group, as `timeout` sends) after its first run of two leaves a report of that
+    run, marked partial, with its figures."""
+    command = [sys.executable, REPO / "benchmarks" / "run.py", "--only", "fsdp2", "--fsdp2-steps",
+               "2", "--fsdp2-world-sizes", "1", "--fsdp2-options", "plain", "--repeats", "2",
+               "--smoke", "--out", tmp_path / "tables.md", "--raw-json", tmp_path / "runs.json"]
+    proc = subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "tables.md").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+    finally:
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, output  # stopped before its second run ended
+    markdown = (tmp_path / "tables.md").read_text()
+    assert markdown.startswith("**Partial: 1 of 2 runs so far**"), markdown
+    row = table_rows(markdown)[1]
+    assert float(row["tokens/s"].replace(",", "")) > 0, row
+    runs = json.loads((tmp_path / "runs.json").read_text())["runs"]
+    assert len(runs) == 1 and runs[0]["figures"]["tokens_per_s"] == runs[0]["metrics"][
+        "tokens_per_s"]
 
 
 def test_memory_picture_is_drawn(tmp_path):

@@ -76,9 +76,9 @@ def steady_epoch_time(epoch_times):
 def median(config, key):
     """The median over a configuration's runs.
 
-    None when it was not run or failed, or a run lacks the figure.
+    None when it was not run (or not yet) or failed, or a run lacks the figure.
     """
-    if config is None or config["failed"]:
+    if config is None or config["failed"] or not config["figures"]:
         return None
     values = [f[key] for f in config["figures"]]
     return None if None in values else statistics.median(values)

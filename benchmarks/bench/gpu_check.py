@@ -72,20 +72,30 @@ def t5_args(ctx):
 
 def command(config, metrics_path):
     if config["kind"] == "pytest":  # its summary becomes the metrics file (run, below)
-        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                str(common.REPO / "tests")]
+        # -rfE: a failed test's name and error line; --durations=0: each test's time
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "--durations=0", "-p",
+                "no:cacheprovider", str(common.REPO / "tests")]
     return common.torchrun_command(config, metrics_path)
 
 
 def run(config, command, workdir, env, timeout):
-    """The runs as they are; pytest's counts of passed, failed and skipped tests (and its time)
-    written as the metrics file the runner reads. T5's: its --plan, for the peak it predicts."""
+    """The runs as they are; pytest's counts of passed, failed and skipped tests and its three
+    slowest tests written as the metrics file the runner reads. T5's: its --plan, for the peak it
+    predicts."""
     returncode, stdout, stderr, seen = common.run_plain(command, workdir, env=env, timeout=timeout)
     if config["kind"] == "pytest":
         counts = {kind: int(n) for n, kind in re.findall(
             r"(\d+) (passed|failed|skipped|errors?)", stdout.splitlines()[-1] if stdout else "")}
+        seconds = {}  # each test's setup, call and teardown
+        for taken, test in re.findall(r"^([\d.]+)s (?:setup|call|teardown)\s+\S+::(\S+)$",
+                                      stdout, re.MULTILINE):
+            seconds[test] = seconds.get(test, 0) + float(taken)
+        slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
         (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
-                                                          **counts}))
+                                                          **counts, "slowest": slowest}))
+        # pytest says which tests failed on stdout: the runner shows a failed run's stderr
+        stderr += "".join(f"\n{line}" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
+                                                             re.MULTILINE))
     if config["kind"] == "t5":
         plan = subprocess.run([sys.executable, str(common.REPO / config["script"]), "--plan",
                                "--world-size", "1", *config["args"]], cwd=workdir, env=env,
@@ -101,7 +111,7 @@ def figures(config, metrics, stdout, seen):
         if metrics.get("failed") or metrics.get("error") or metrics.get("errors"):
             raise ValueError(f"pytest -m gpu: {metrics}")
         return {"passed": metrics.get("passed", 0), "skipped": metrics.get("skipped", 0),
-                "seconds": seen["seconds"]}
+                "seconds": seen["seconds"], "slowest": metrics["slowest"]}
     if config["kind"] == "c1b":
         stalls = metrics["checkpoint_stall_s"] or [None]
         return {**common.memory_figures(metrics), "tokens_per_s": metrics["tokens_per_s"],
@@ -122,6 +132,9 @@ def tables(ctx, configs):
         if c["kind"] == "pytest":
             said = (f"{fmt(median(c, 'passed'), '.0f')} passed, {fmt(median(c, 'skipped'), '.0f')} "
                     f"skipped in {fmt(median(c, 'seconds'), '.0f')} s")
+            if c["figures"]:  # run once: its slowest tests, to size the check by
+                said += "; slowest: " + ", ".join(f"{test} {taken:.0f} s"
+                                                  for test, taken in c["figures"][0]["slowest"])
         elif c["kind"] == "c1b":
             said = (f"{fmt(median(c, 'tokens_per_s'), ',.0f')} tokens/s, MFU "
                     f"{fmt(median(c, 'mfu'), '.1%')}")
