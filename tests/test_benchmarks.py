@@ -156,7 +156,7 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
                   for run in gpu) == sorted((lora, bf16, v) for v in "12" for lora, bf16 in
                                             ((False, False), (True, False), (True, True)))
     check = [run for run in runs if run not in export and run not in gpu]
-    assert any(line.endswith("-m pytest -m gpu -q -rfE --durations=0 -p no:cacheprovider "
+    assert any(line.endswith("-m pytest -m gpu -v -rfE --durations=0 -p no:cacheprovider "
                              + str(REPO / "tests")) for line in proc.stdout.splitlines())
     c1b = [run for run in check if "fsdp2_transformer.py" in run]
     assert len(c1b) == 3 and sum("--float8 tensorwise" in run for run in c1b) == 1
@@ -173,7 +173,10 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
     import run as runner
     from bench import gpu_check
 
-    for argv, runs in (([], 10), (["--gpu-check-repeats", "3"], 28)):
+    # --gpu-check-parts: a lent GPU's minutes split over two commands
+    for argv, runs in (([], 10), (["--gpu-check-repeats", "3"], 28),
+                       (["--gpu-check-parts", "t5"], 6),
+                       (["--gpu-check-parts", "pytest", "c1b"], 4)):
         args = runner.parse_args(bench.load(), ["--only", "gpu-check", "--dry-run", *argv])
         configs = gpu_check.runs(SimpleNamespace(args=args, lora_model="t5", lora_data="data"))
         assert sum(config["repeats"] for config in configs) == runs, argv
@@ -185,32 +188,41 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
             "lent"), refused.stderr
 
 
-def test_gpu_check_names_the_slowest_and_the_failed_tests(tmp_path):
-    """gpu-check's pytest run, on a file of three tests instead of the GPU tests: its row gives the
+def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
+    """gpu-check's pytest run, on a file of four tests instead of the GPU tests: its row gives the
     counts and the slowest tests (to size the check by), and a failed test's name and error line
-    reach the stderr that the runner prints for a failed run."""
+    reach the stderr that the runner prints for a failed run; stopped by its time limit, it says
+    which tests had passed and which was running."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench import gpu_check
 
-    (tmp_path / "test_three.py").write_text(
+    (tmp_path / "test_four.py").write_text(
         "import time\n"
         "def test_slow():\n    time.sleep(1.2)\n"
         "def test_quick():\n    pass\n"
-        "def test_wrong():\n    assert 1 == 2, 'one is not two'\n")
+        "def test_wrong():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_stuck():\n    time.sleep(300)\n")
     config = {"kind": "pytest", "name": gpu_check.PYTEST}
     command = gpu_check.command(config, tmp_path / "metrics.json")
     assert command[-1] == str(REPO / "tests")
-    command = [*command[:-1], str(tmp_path / "test_three.py")]
-    marker = command.index("gpu")  # the three tests are not marked
-    del command[marker - 1:marker + 1]
-    returncode, stdout, stderr, seen = gpu_check.run(config, command, tmp_path, env=os.environ,
-                                                     timeout=120)
+    marker = command.index("gpu")  # the four tests are not marked: -k picks them
+    command[marker - 1:marker + 1] = ["-k"]
+
+    def run(tests, timeout):
+        return gpu_check.run(config, [*command[:marker], tests, *command[marker:-1],
+                                      str(tmp_path / "test_four.py")],
+                             tmp_path, env=os.environ, timeout=timeout)
+
+    returncode, stdout, stderr, seen = run("not stuck", timeout=120)
     assert returncode == 1, stdout + stderr
     assert stderr.splitlines()[-1].startswith("FAILED ") and "test_wrong" in stderr, stderr
     assert "one is not two" in stderr, stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["passed"] == 2 and metrics["failed"] == 1
     assert metrics["slowest"][0][0] == "test_slow" and metrics["slowest"][0][1] >= 1.2
+    returncode, stdout, stderr, seen = run("quick or stuck", timeout=8)
+    assert returncode != 0 and stderr.splitlines()[-1] == (
+        "pytest -m gpu stopped at 8 s: 1 passed (test_quick); running: test_stuck"), stderr
 
 
 def test_a_stopped_harness_keeps_what_it_measured(tmp_path):

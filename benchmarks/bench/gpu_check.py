@@ -33,12 +33,21 @@ T5_ROWS = {f"T5 {row}, FSDP{version}{', --compile' if compiled else ''}": (flags
            for row, flags in (("full", []), ("LoRA", ["--lora-rank", "16"]))
            for version, compiled in ((1, False), (2, False), (2, True))}
 PYTEST = "pytest -m gpu"
+# pytest -m gpu's target is 5 minutes: past 6 it is stopped, its row FAILED with the tests that
+# had passed and the one running, and the headline rows still get the rest of a lent GPU's time.
+PYTEST_LIMIT_S = 360
+PARTS = ("pytest", "c1b", "t5")  # the kinds of row, in the order they run
 
 
 def add_flags(group):
     group.add_argument("--gpu-check-repeats", type=int, default=1, metavar="N",
                        help="gpu-check: runs of each row, the median taken (--repeats is for "
                             "the others); pytest -m gpu runs once")
+    group.add_argument("--gpu-check-parts", nargs="+", choices=PARTS, default=list(PARTS),
+                       metavar="PART",
+                       help=f"gpu-check: the rows to run, any of {', '.join(PARTS)} (pytest -m "
+                            "gpu, C1B's three, T5's six): a lent GPU's time split over two "
+                            "commands")
 
 
 def check(args, asked, error):
@@ -48,7 +57,7 @@ def check(args, asked, error):
 
 
 def runs(ctx):
-    """World size 1 on the first GPU: the GPU tests, C1B's rows, then T5's."""
+    """World size 1 on the first GPU: the GPU tests, C1B's rows, then T5's (those asked for)."""
     repeats = ctx.args.gpu_check_repeats
     configs = [{"device": "cuda", "world_size": 1, "name": PYTEST, "kind": "pytest",
                 "script": "tests", "repeats": 1}]
@@ -61,7 +70,7 @@ def runs(ctx):
                  "args": [*t5_args(ctx), *flags, "--fsdp-version", str(version),
                           *(["--compile"] if compiled else [])]}
                 for name, (flags, version, compiled) in T5_ROWS.items()]
-    return configs
+    return [config for config in configs if config["kind"] in ctx.args.gpu_check_parts]
 
 
 def t5_args(ctx):
@@ -72,8 +81,9 @@ def t5_args(ctx):
 
 def command(config, metrics_path):
     if config["kind"] == "pytest":  # its summary becomes the metrics file (run, below)
-        # -rfE: a failed test's name and error line; --durations=0: each test's time
-        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "--durations=0", "-p",
+        # -v: each test's outcome as it ends (what passed, if it is stopped); -rfE: a failed
+        # test's name and error line; --durations=0: each test's time
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "--durations=0", "-p",
                 "no:cacheprovider", str(common.REPO / "tests")]
     return common.torchrun_command(config, metrics_path)
 
@@ -82,6 +92,8 @@ def run(config, command, workdir, env, timeout):
     """The runs as they are; pytest's counts of passed, failed and skipped tests and its three
     slowest tests written as the metrics file the runner reads. T5's: its --plan, for the peak it
     predicts."""
+    if config["kind"] == "pytest":
+        timeout = min(timeout, PYTEST_LIMIT_S)
     returncode, stdout, stderr, seen = common.run_plain(command, workdir, env=env, timeout=timeout)
     if config["kind"] == "pytest":
         counts = {kind: int(n) for n, kind in re.findall(
@@ -93,9 +105,15 @@ def run(config, command, workdir, env, timeout):
         slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
         (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
                                                           **counts, "slowest": slowest}))
-        # pytest says which tests failed on stdout: the runner shows a failed run's stderr
+        # pytest says on stdout which tests failed, or (stopped) which had passed and which ran:
+        # the runner shows a failed run's stderr
         stderr += "".join(f"\n{line}" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
                                                              re.MULTILINE))
+        if "harness: killed after" in stderr:
+            passed = re.findall(r"::(\S+) PASSED", stdout)
+            running = re.findall(r"^\S+::(\S+)\s*$", stdout, re.MULTILINE)
+            stderr += (f"\npytest -m gpu stopped at {timeout} s: {len(passed)} passed "
+                       f"({', '.join(passed)}); running: {running[-1] if running else 'none'}")
     if config["kind"] == "t5":
         plan = subprocess.run([sys.executable, str(common.REPO / config["script"]), "--plan",
                                "--world-size", "1", *config["args"]], cwd=workdir, env=env,
