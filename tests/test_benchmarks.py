@@ -156,7 +156,7 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
                   for run in gpu) == sorted((lora, bf16, v) for v in "12" for lora, bf16 in
                                             ((False, False), (True, False), (True, True)))
     check = [run for run in runs if run not in export and run not in gpu]
-    assert any(line.endswith("-m pytest -m gpu -v -rfE --durations=0 -p no:cacheprovider "
+    assert any(line.endswith("-m pytest -m gpu -v -rfE -p no:cacheprovider "
                              + str(REPO / "tests")) for line in proc.stdout.splitlines())
     c1b = [run for run in check if "fsdp2_transformer.py" in run]
     assert len(c1b) == 3 and sum("--float8 tensorwise" in run for run in c1b) == 1
@@ -192,7 +192,8 @@ def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
     """gpu-check's pytest run, on a file of four tests instead of the GPU tests: its row gives the
     counts and the slowest tests (to size the check by), and a failed test's name and error line
     reach the stderr that the runner prints for a failed run; stopped by its time limit, it says
-    which tests had passed and which was running."""
+    which tests had passed and which was running, and the processes a test started are stopped
+    too."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench import gpu_check
 
@@ -201,10 +202,14 @@ def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
         "def test_slow():\n    time.sleep(1.2)\n"
         "def test_quick():\n    pass\n"
         "def test_wrong():\n    assert 1 == 2, 'one is not two'\n"
-        "def test_stuck():\n    time.sleep(300)\n")
+        "def test_stuck(tmp_path):\n"  # and a process it started, as a GPU test starts torchrun
+        "    import subprocess\n"
+        "    child = subprocess.Popen(['sleep', '300'])\n"
+        f"    open({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+        "    time.sleep(300)\n")
     config = {"kind": "pytest", "name": gpu_check.PYTEST}
     command = gpu_check.command(config, tmp_path / "metrics.json")
-    assert command[-1] == str(REPO / "tests")
+    assert command[-1] == str(REPO / "tests") and "-v" in command
     marker = command.index("gpu")  # the four tests are not marked: -k picks them
     command[marker - 1:marker + 1] = ["-k"]
 
@@ -221,8 +226,24 @@ def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
     assert metrics["passed"] == 2 and metrics["failed"] == 1
     assert metrics["slowest"][0][0] == "test_slow" and metrics["slowest"][0][1] >= 1.2
     returncode, stdout, stderr, seen = run("quick or stuck", timeout=8)
-    assert returncode != 0 and stderr.splitlines()[-1] == (
-        "pytest -m gpu stopped at 8 s: 1 passed (test_quick); running: test_stuck"), stderr
+    assert returncode != 0 and re.fullmatch(
+        r"pytest -m gpu stopped at 8 s, [5-8] s into test_stuck, after 1 of 2 tests: "
+        r"test_quick [0-3] s", stderr.splitlines()[-1]), stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["passed"] == 1 and metrics["stopped"][0] == "test_stuck", metrics
+    child, deadline = int((tmp_path / "child").read_text()), time.monotonic() + 10
+    while running(child):  # stopped with the test, not left running
+        assert time.monotonic() < deadline, "the test's own process was left running"
+        time.sleep(0.1)
+
+
+def running(pid):
+    """Whether process pid runs (not ended, nor a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_stopped_harness_keeps_what_it_measured(tmp_path):

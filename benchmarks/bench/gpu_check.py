@@ -6,9 +6,13 @@ float8 (tokens/s, MFU), C1B's asynchronous saves (the first save's pause and a l
 (FSDP2) compiled, and each T5 run's --plan peak against its measured peak. One markdown table,
 with the card and the versions."""
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -80,40 +84,18 @@ def t5_args(ctx):
 
 
 def command(config, metrics_path):
-    if config["kind"] == "pytest":  # its summary becomes the metrics file (run, below)
-        # -v: each test's outcome as it ends (what passed, if it is stopped); -rfE: a failed
-        # test's name and error line; --durations=0: each test's time
-        return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "--durations=0", "-p",
+    if config["kind"] == "pytest":  # -v: each test's outcome line as it ends (run_pytest)
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p",
                 "no:cacheprovider", str(common.REPO / "tests")]
     return common.torchrun_command(config, metrics_path)
 
 
 def run(config, command, workdir, env, timeout):
-    """The runs as they are; pytest's counts of passed, failed and skipped tests and its three
-    slowest tests written as the metrics file the runner reads. T5's: its --plan, for the peak it
+    """The runs as they are, pytest's as run_pytest says; T5's, and its --plan, for the peak it
     predicts."""
     if config["kind"] == "pytest":
-        timeout = min(timeout, PYTEST_LIMIT_S)
+        return run_pytest(command, workdir, env=env, timeout=min(timeout, PYTEST_LIMIT_S))
     returncode, stdout, stderr, seen = common.run_plain(command, workdir, env=env, timeout=timeout)
-    if config["kind"] == "pytest":
-        counts = {kind: int(n) for n, kind in re.findall(
-            r"(\d+) (passed|failed|skipped|errors?)", stdout.splitlines()[-1] if stdout else "")}
-        seconds = {}  # each test's setup, call and teardown
-        for taken, test in re.findall(r"^([\d.]+)s (?:setup|call|teardown)\s+\S+::(\S+)$",
-                                      stdout, re.MULTILINE):
-            seconds[test] = seconds.get(test, 0) + float(taken)
-        slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
-        (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
-                                                          **counts, "slowest": slowest}))
-        # pytest says on stdout which tests failed, or (stopped) which had passed and which ran:
-        # the runner shows a failed run's stderr
-        stderr += "".join(f"\n{line}" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
-                                                             re.MULTILINE))
-        if "harness: killed after" in stderr:
-            passed = re.findall(r"::(\S+) PASSED", stdout)
-            running = re.findall(r"^\S+::(\S+)\s*$", stdout, re.MULTILINE)
-            stderr += (f"\npytest -m gpu stopped at {timeout} s: {len(passed)} passed "
-                       f"({', '.join(passed)}); running: {running[-1] if running else 'none'}")
     if config["kind"] == "t5":
         plan = subprocess.run([sys.executable, str(common.REPO / config["script"]), "--plan",
                                "--world-size", "1", *config["args"]], cwd=workdir, env=env,
@@ -122,6 +104,44 @@ def run(config, command, workdir, env, timeout):
         unit = 2**30 if "in GiB" in plan.stdout else 2**20
         seen["plan_peak_mib"] = float(found[1]) * unit / common.MIB if found else None
     return returncode, stdout, stderr, seen
+
+
+def run_pytest(command, workdir, env, timeout):
+    """pytest -m gpu, each test's time (from the end of the one before, its fixtures included)
+    taken as its outcome line comes, so that a run stopped at timeout (its process group: the
+    runs it started too) still says where its time went. The metrics file the runner reads: the
+    counts of outcomes, the three slowest tests, and the test it was stopped in. stderr: the
+    failed tests' lines, and where it was stopped."""
+    started = last = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    stop = threading.Timer(timeout, os.killpg, args=(proc.pid, signal.SIGTERM))
+    stop.start()
+    lines, seconds, counts = [], {}, {}
+    for line in proc.stdout:
+        lines.append(line)
+        found = re.match(r"\S+?::(.+?) (PASSED|FAILED|SKIPPED|ERROR)\b", line)
+        if found:
+            now = time.perf_counter()
+            seconds[found[1]], last = now - last, now
+            counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
+    returncode = proc.wait()
+    stop.cancel()
+    stdout, stopped = "".join(lines), None
+    if time.perf_counter() - started >= timeout:
+        running = re.match(r"\S+?::(.+?)\s*$", lines[-1]) if lines else None
+        stopped = [running[1] if running else None, time.perf_counter() - last]
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
+    (workdir / "metrics.json").write_text(json.dumps(
+        {"device": "cuda", "world_size": 1, **counts, "slowest": slowest, "stopped": stopped}))
+    stderr = "".join(f"{line}\n" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
+                                                        re.MULTILINE))
+    if stopped:
+        selected = re.search(r"(\d+) selected", stdout)
+        stderr += (f"pytest -m gpu stopped at {timeout} s, {stopped[1]:.0f} s into {stopped[0]}, "
+                   f"after {len(seconds)} of {selected[1] if selected else '?'} tests: "
+                   + ", ".join(f"{test} {taken:.0f} s" for test, taken in seconds.items()))
+    return returncode, stdout, stderr, {}
 
 
 def figures(config, metrics, stdout, seen):
