@@ -107,11 +107,11 @@ def run(config, command, workdir, env, timeout):
 
 
 def run_pytest(command, workdir, env, timeout):
-    """pytest -m gpu, each test's time (from the end of the one before, its fixtures included)
-    taken as its outcome line comes, so that a run stopped at timeout (its process group: the
-    runs it started too) still says where its time went. The metrics file the runner reads: the
-    counts of outcomes, the three slowest tests, and the test it was stopped in. stderr: the
-    failed tests' lines, and where it was stopped."""
+    """pytest -m gpu, each test's time (from the end of the one before or of the collection, its
+    fixtures included) taken as its outcome line comes, so that a run stopped at timeout (its
+    process group: the runs it started too) still says where its time went. The metrics file the
+    runner reads: the counts of outcomes, the three slowest tests, and the test it was stopped
+    in. stderr: the failed tests' lines, and where it was stopped."""
     started = last = time.perf_counter()
     proc = subprocess.Popen(command, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,6 +125,8 @@ def run_pytest(command, workdir, env, timeout):
             now = time.perf_counter()
             seconds[found[1]], last = now - last, now
             counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
+        elif re.search(r"\bcollected \d+ items?", line):  # the first test's time starts here
+            last = time.perf_counter()
     returncode = proc.wait()
     stop.cancel()
     stdout, stopped = "".join(lines), None
