@@ -94,6 +94,11 @@ def flagged(text, *configs):
     return text + (" (FAILED)" if any(c["failed"] for c in configs) else "")
 
 
+def repeats_said(repeats):
+    """A benchmark's own count of runs (--hf-load-repeats, --gpu-check-repeats), as said."""
+    return "one run" if repeats == 1 else f"median of {repeats} runs"
+
+
 def runs_said(args):
     """How many runs each figure is the median of, as the captions say it."""
     said = f"median of {args.repeats} run{'s' if args.repeats > 1 else ''}"

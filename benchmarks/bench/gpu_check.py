@@ -110,8 +110,8 @@ def run_pytest(command, workdir, env, timeout):
     """pytest -m gpu, each test's time (from the end of the one before or of the collection, its
     fixtures included) taken as its outcome line comes, so that a run stopped at timeout (its
     process group: the runs it started too) still says where its time went. The metrics file the
-    runner reads: the counts of outcomes, the three slowest tests, and the test it was stopped
-    in. stderr: the failed tests' lines, and where it was stopped."""
+    runner reads: the counts of outcomes and the three slowest tests. stderr: the failed tests'
+    lines, and where it was stopped."""
     started = last = time.perf_counter()
     proc = subprocess.Popen(command, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -129,19 +129,18 @@ def run_pytest(command, workdir, env, timeout):
             last = time.perf_counter()
     returncode = proc.wait()
     stop.cancel()
-    stdout, stopped = "".join(lines), None
-    if time.perf_counter() - started >= timeout:
-        running = re.match(r"\S+?::(.+?)\s*$", lines[-1]) if lines else None
-        stopped = [running[1] if running else None, time.perf_counter() - last]
+    stdout = "".join(lines)
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
-    (workdir / "metrics.json").write_text(json.dumps(
-        {"device": "cuda", "world_size": 1, **counts, "slowest": slowest, "stopped": stopped}))
+    (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
+                                                      **counts, "slowest": slowest}))
     stderr = "".join(f"{line}\n" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
                                                         re.MULTILINE))
-    if stopped:
+    if time.perf_counter() - started >= timeout:  # stopped, in the test its last line began
+        running = re.match(r"\S+?::(.+?)\s*$", lines[-1]) if lines else None
         selected = re.search(r"(\d+) selected", stdout)
-        stderr += (f"pytest -m gpu stopped at {timeout} s, {stopped[1]:.0f} s into {stopped[0]}, "
-                   f"after {len(seconds)} of {selected[1] if selected else '?'} tests: "
+        stderr += (f"pytest -m gpu stopped at {timeout} s, {time.perf_counter() - last:.0f} s "
+                   f"into {running[1] if running else '?'}, after {len(seconds)} of "
+                   f"{selected[1] if selected else '?'} tests: "
                    + ", ".join(f"{test} {taken:.0f} s" for test, taken in seconds.items()))
     return returncode, stdout, stderr, {}
 
@@ -194,15 +193,20 @@ def tables(ctx, configs):
     return ["\n### GPU check\n",
             f"{card}; torch {torch.__version__}, "
             + ", ".join(f"{name} {version}" for name, version in versions.items())
-            + f". {runs_said(ctx.args)}. T5: `{' '.join(lora_gpu.SIZES)}`, {T5_SAMPLES} "
+            + f"; {repeats_said(ctx.args)}. T5: `{' '.join(lora_gpu.SIZES)}`, {T5_SAMPLES} "
             f"samples, {T5_EPOCHS} epochs, samples/s of the epochs after the first; C1B: "
             f"`{' '.join(fsdp2_gpu.C1B)}`.\n",
             markdown_table(["run", "result"], rows)]
 
 
-def runs_said(args):
-    repeats = args.gpu_check_repeats
-    return "One run each" if repeats == 1 else f"The median of {repeats} runs each"
+def figures_note(args):
+    """The header's word on its figures, which are not --repeats' medians."""
+    return f"gpu-check: {repeats_said(args)}."
+
+
+def repeats_said(args):
+    return (f"{common.repeats_said(args.gpu_check_repeats)} per row (--gpu-check-repeats), "
+            "pytest -m gpu once")
 
 
 def version_of(package):

@@ -91,8 +91,7 @@ def figures_note(args):
 
 def repeats_said(args):
     """How many runs its figures are the median of (hf-export's too)."""
-    return ("one run" if args.hf_load_repeats == 1
-            else f"median of {args.hf_load_repeats} runs") + " per configuration"
+    return common.repeats_said(args.hf_load_repeats) + " per configuration"
 
 
 def tables(ctx, configs):
