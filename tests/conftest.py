@@ -383,6 +383,22 @@ def plan_of(script, cwd, *args):
     return {**result.metrics["plan"], "printed": result.stdout}
 
 
+def distributed_program(text, **values):
+    """A test's own program for torchrun (text, formatted with repo= and values), ending as the
+    scripts' plumbing ends a run: its FSDP modules freed (their reference cycles keep the process
+    group alive), then the process group destroyed. Then the program leaves without Python's
+    teardown. Workaround: the gloo thread that ran a collective lets go of its tensors after
+    the caller's wait returns; a program that ends right after its last collective can reach its
+    teardown first, and that thread's late free then aborts the process with SIGABRT ("terminate
+    called without an active exception"; torch 2.14, rank 1 of
+    test_gradient_accumulation_reduces_once_per_step in CI, once in some 20 suite runs). The
+    scripts do more work after their last collective. Remove it when a torch release destroys
+    the process groups before the interpreter's teardown (pytorch/pytorch#179291 tried)."""
+    ending = ("\nimport gc, os, sys\ngc.collect()\ndist.destroy_process_group()\n"
+              "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
+    return text.format(repo=str(REPO), **values) + ending
+
+
 def script_with_lines(script, folder, after, lines):
     """A copy of the script in folder, beside a copy of the module it imports (safe_launch.py),
     with `lines` added after the line `after`: in the script where it has that line, else in the

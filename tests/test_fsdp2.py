@@ -14,6 +14,7 @@ from conftest import (
     REPO,
     SMOKE,
     copy_fsdp2_checkpoint,
+    distributed_program,
     run_command,
     script_with_lines,
     single_error_line,
@@ -169,7 +170,7 @@ def test_task_is_the_same_global_batch_whatever_the_world_size():
 
 # The program is cut into adjacent literals where its lines are long: its text stays the same.
 COUNT_REDUCE_SCATTERS = """
-import gc, json, sys
+import json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, {repo!r})
@@ -204,15 +205,13 @@ dist.init_process_group("gloo")
 counts = {{k: reduce_scatters_in_one_step(k) for k in (1, 3)}}
 if dist.get_rank() == 0:
     print(json.dumps(counts))
-gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
-dist.destroy_process_group()
 """
 
 
 def test_gradient_accumulation_reduces_once_per_step(torchrun, tmp_path):
     """With 3 micro-batches, gradients are reduce-scattered once per FSDP unit (3 blocks + root)."""
     program = tmp_path / "count_reduce_scatters.py"
-    program.write_text(COUNT_REDUCE_SCATTERS.format(repo=str(REPO)))
+    program.write_text(distributed_program(COUNT_REDUCE_SCATTERS))
     result = torchrun(program)
     assert result.returncode == 0, result.output
     assert json.loads(result.stdout.splitlines()[-1]) == {"1": 4, "3": 4}

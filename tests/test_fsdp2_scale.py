@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDP2_SHARDED, FSDP2_TINY, REPO, full_state_of, plan_of, warning_lines
+from conftest import (
+    FSDP2_SHARDED,
+    FSDP2_TINY,
+    REPO,
+    distributed_program,
+    full_state_of,
+    plan_of,
+    warning_lines,
+)
 
 sys.path.insert(0, str(REPO))
 from fsdp2_transformer import Transformer, flops_per_token, global_batch, task_rules  # noqa: E402
@@ -220,7 +228,7 @@ def test_activation_checkpointing_keeps_the_losses(fsdp2_run, fsdp2_reference):
 
 
 SAVED_FOR_BACKWARD = """
-import gc, json, sys
+import json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, {repo!r})
@@ -246,8 +254,6 @@ def saved_bytes(activation_checkpointing):
 
 dist.init_process_group("gloo")
 print(json.dumps({{"plain": saved_bytes(False), "checkpointed": saved_bytes(True)}}))
-gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
-dist.destroy_process_group()
 """
 
 
@@ -255,7 +261,7 @@ def test_activation_checkpointing_saves_less_for_backward(torchrun, tmp_path):
     """The bytes autograd keeps from forward to backward, counted with saved_tensors_hooks: with
     every block checkpointed, only the blocks' inputs and the root's activations remain."""
     program = tmp_path / "saved_for_backward.py"
-    program.write_text(SAVED_FOR_BACKWARD.format(repo=str(REPO)))
+    program.write_text(distributed_program(SAVED_FOR_BACKWARD))
     result = torchrun(program, nproc=1)
     assert result.returncode == 0, result.output
     saved = json.loads(result.stdout.splitlines()[-1])

@@ -14,6 +14,7 @@ from conftest import (
     FSDP2_SHARDED,
     FSDP2_TINY,
     REPO,
+    distributed_program,
     full_state_of,
     plan_of,
     queue_cached_run,
@@ -154,7 +155,7 @@ def test_checkpoints_resume_in_another_layout(cached_torchrun, tmp_path_factory,
 # (dp 2, tp 2)'s asynchronous sharded checkpoint of step 10 into (1, 2), saved sharded; that into
 # 1-D FSDP, saved full (model.pt); that into (1, 2) again, saved sharded.
 RELAYOUT = """
-import gc, sys
+import sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, {repo!r})
@@ -176,8 +177,6 @@ for mesh, plan, folder, kind in [(tp_mesh, tp_plan, "tp2", "sharded"), (flat, No
     source = f"{{sys.argv[1]}}/{{folder}}/step_000010"
     script.Checkpointer(f"{{sys.argv[1]}}/{{folder}}", config, kind).save(model, optimizer, 10)
     del model, optimizer
-gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
-dist.destroy_process_group()
 """
 
 
@@ -186,7 +185,7 @@ def test_checkpoints_change_layout_bit_for_bit(tp_reference, torchrun, tmp_path)
     through (1, 2), 1-D and (1, 2) on 2 ranks, saved sharded, full (a plain model.pt), sharded."""
     program = tmp_path / "relayout.py"
     written = tp_reference.cwd / "ckpt" / "step_000010"
-    program.write_text(RELAYOUT.format(repo=str(REPO), source=str(written)))
+    program.write_text(distributed_program(RELAYOUT, source=str(written)))
     result = torchrun(program, tmp_path, nproc=2)
     assert result.returncode == 0, result.output
     expected = full_state_of(written)
@@ -230,8 +229,6 @@ dist.init_process_group("gloo")
 counts = {{"plain": saved_bytes(False), "checkpointed": saved_bytes(True)}}
 if dist.get_rank() == 0:
     print(json.dumps(counts))
-gc.collect()  # free the FSDP modules before the process group (see the script's plumbing)
-dist.destroy_process_group()
 """
 
 
@@ -244,7 +241,7 @@ def test_plan_counts_the_tensor_parallel_state(tp_reference, torchrun, tmp_path)
     assert plan["train_state_bytes"] == tp_reference.metrics["train_state_bytes"]
     assert "world size 4 (2 shards x tensor parallel 2)" in plan["printed"]
     program = tmp_path / "saved_for_backward.py"
-    program.write_text(SAVED_FOR_BACKWARD.format(repo=str(REPO)))
+    program.write_text(distributed_program(SAVED_FOR_BACKWARD))
     result = torchrun(program)
     assert result.returncode == 0, result.output
     saved = json.loads(result.stdout.splitlines()[-1])
