@@ -590,9 +590,10 @@ def full_state_of(checkpoint):
     sharded step_N, T5's checkpoint-epoch-N)."""
     if (checkpoint / ".metadata").exists():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        converted = Path(tempfile.mkdtemp()) / "state.pt"  # not beside it: tests list folders
-        dcp_to_torch_save(checkpoint, converted)
-        state = torch.load(converted, weights_only=False)
+        with tempfile.TemporaryDirectory() as folder:  # not beside it: tests list folders
+            converted = Path(folder) / "state.pt"
+            dcp_to_torch_save(checkpoint, converted)
+            state = torch.load(converted, weights_only=False)
     else:
         state = {"model": torch.load(checkpoint / "model.pt", weights_only=True),
                  "optimizer": torch.load(checkpoint / "optimizer.pt", weights_only=True)}
