@@ -387,13 +387,14 @@ def distributed_program(text, **values):
     """A test's own program for torchrun (text, formatted with repo= and values), ending as the
     scripts' plumbing ends a run: its FSDP modules freed (their reference cycles keep the process
     group alive), then the process group destroyed. Then the program leaves without Python's
-    teardown. Workaround: the gloo thread that ran a collective lets go of its tensors after
-    the caller's wait returns; a program that ends right after its last collective can reach its
-    teardown first, and that thread's late free then aborts the process with SIGABRT ("terminate
-    called without an active exception"; torch 2.14, rank 1 of
+    teardown. Workaround: once fully_shard has used a gloo group, destroying it leaves its two
+    worker threads running (torch 2.14 and 2.15: something outside Python's objects keeps it);
+    such a thread lets go of a collective's tensors just after the caller's wait returns, and in
+    a program that ends right after its last collective, that can come during the teardown,
+    which it aborts with SIGABRT ("terminate called without an active exception": rank 1 of
     test_gradient_accumulation_reduces_once_per_step in CI, once in some 20 suite runs). The
-    scripts do more work after their last collective. Remove it when a torch release destroys
-    the process groups before the interpreter's teardown (pytorch/pytorch#179291 tried)."""
+    scripts do more work after their last collective. Remove it when a torch release's
+    destroy_process_group ends those threads (pt_gloo_runloop in /proc/self/task)."""
     ending = ("\nimport gc, os, sys\ngc.collect()\ndist.destroy_process_group()\n"
               "sys.stdout.flush()\nsys.stderr.flush()\nos._exit(0)\n")
     return text.format(repo=str(REPO), **values) + ending
