@@ -387,8 +387,9 @@ def distributed_program(text, **values):
     """A test's own program for torchrun (text, formatted with repo= and values), ending as the
     scripts' plumbing ends a run: its FSDP modules freed (their reference cycles keep the process
     group alive), then the process group destroyed. Then the program leaves without Python's
-    teardown. Workaround: once fully_shard has used a gloo group, destroying it leaves its two
-    worker threads running (torch 2.14 and 2.15: something outside Python's objects keeps it);
+    teardown. Workaround: once a functional collective (FSDP2's, DTensor's) has used a gloo
+    group, destroying it leaves its two worker threads running (torch 2.14 and 2.15: something
+    outside Python's objects keeps it; after dist.all_reduce alone they end);
     such a thread lets go of a collective's tensors just after the caller's wait returns, and in
     a program that ends right after its last collective, that can come during the teardown,
     which it aborts with SIGABRT ("terminate called without an active exception": rank 1 of
