@@ -389,10 +389,10 @@ def distributed_program(text, **values):
     group alive), then the process group destroyed. Then the program leaves without Python's
     teardown. Workaround: once a functional collective (FSDP2's, DTensor's) has used a gloo
     group, destroying it leaves its two worker threads running (torch 2.14 and 2.15: something
-    outside Python's objects keeps it; after dist.all_reduce alone they end);
-    such a thread lets go of a collective's tensors just after the caller's wait returns, and in
-    a program that ends right after its last collective, that can come during the teardown,
-    which it aborts with SIGABRT ("terminate called without an active exception": rank 1 of
+    outside Python's objects keeps it; after dist.all_reduce alone they end). Such a thread lets
+    go of a collective's tensors just after the caller's wait returns; in a program that ends
+    right after its last collective, that can come during the teardown, which it aborts with
+    SIGABRT ("terminate called without an active exception": rank 1 of
     test_gradient_accumulation_reduces_once_per_step in CI, once in some 20 suite runs). The
     scripts do more work after their last collective. Remove it when a torch release's
     destroy_process_group ends those threads (pt_gloo_runloop in /proc/self/task)."""

@@ -221,14 +221,14 @@ def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
                                       str(tmp_path / "test_four.py")],
                              tmp_path, env=os.environ, timeout=timeout)
 
-    returncode, stdout, stderr, seen = run("not stuck", timeout=120)
+    returncode, stdout, stderr, _ = run("not stuck", timeout=120)
     assert returncode == 1, stdout + stderr
     assert stderr.splitlines()[-1].startswith("FAILED ") and "test_wrong" in stderr, stderr
     assert "one is not two" in stderr, stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["passed"] == 2 and metrics["failed"] == 1
     assert metrics["slowest"][0][0] == "test_slow" and metrics["slowest"][0][1] >= 1.2
-    returncode, stdout, stderr, seen = run("quick or stuck", timeout=8)
+    returncode, stdout, stderr, _ = run("quick or stuck", timeout=8)
     assert returncode != 0 and re.fullmatch(
         r"pytest -m gpu stopped at 8 s, \d s into test_stuck, after 1 of 2 tests: "
         r"test_quick \d s", stderr.splitlines()[-1]), stderr
