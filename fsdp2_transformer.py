@@ -1716,6 +1716,10 @@ class FiniteStager(AsyncStager):
         if self.buffers is None:
             self.buffers = _create_cpu_state_dict(state_dict, pin_memory=self.stream is not None,
                                                   share_memory=True)
+            # It leaves 0-dim tensors (AdamW's step counts) unshared: sending the first save to
+            # DCP's writer process would move each into new shared memory of its own.
+            for tensor in tensors_of(self.buffers):
+                tensor.share_memory_()
         with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
             staged = _copy_state_dict(state_dict, self.buffers, non_blocking=bool(self.stream))
         if self.stream:

@@ -104,7 +104,9 @@ def test_on_torch_before_2_13_async_saves_copy_into_the_first_saves_memory(monke
     """torch < 2.13 (STAGER_REUSABLE false, which the lent GPUs' torch 2.11 is; CI's torch is
     newer, so its runs take the stager's path): FiniteStager copies each save into shared host
     memory of its own, allocated at the first save and reused by every later one, and each copy
-    holds that save's values."""
+    holds that save's values. Every tensor of it is shared, AdamW's 0-dim step counts too (sent
+    unshared to DCP's writer process, each would move into new shared memory at the first save:
+    torch 2.11)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     import fsdp2_transformer
@@ -120,7 +122,8 @@ def test_on_torch_before_2_13_async_saves_copy_into_the_first_saves_memory(monke
         weight.fill_(save)
         moment.fill_(-save)
         copy = stager.stage(state).result()
-        assert copy["model"]["w"].is_shared() and copy["model"]["w"].data_ptr() != weight.data_ptr()
+        assert all(tensor.is_shared() for tensor in fsdp2_transformer.tensors_of(copy))
+        assert copy["model"]["w"].data_ptr() != weight.data_ptr()
         assert (copy["model"]["w"] == save).all()
         assert (copy["optimizer"]["state"]["w"]["exp_avg"] == -save).all()
     stager.close()
