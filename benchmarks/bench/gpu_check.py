@@ -1,10 +1,12 @@
 """gpu-check: what a lent GPU is checked for, in one command of about 8 minutes on one GPU:
-`pytest -m gpu`, then the headline rows, one run each (--gpu-check-repeats): C1B in bf16 and with
-float8 (tokens/s, MFU), C1B's asynchronous saves (the first save's pause and a later one's, saves
-100 steps apart: beyond the background write of 12.5 GB), T5 at the lora-gpu rows' shape (t5-base,
-512 + 128 tokens, batch 16, bf16) fully fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and
-(FSDP2) compiled, and each T5 run's --plan peak against its measured peak. One markdown table,
-with the card and the versions."""
+`pytest -m gpu -n auto` (the GPU tests side by side, a pytest-xdist worker each: their runs are
+mostly new processes starting, on a GPU machine's many cores), then the headline rows, one run
+each (--gpu-check-repeats): C1B in bf16 and with float8 (tokens/s, MFU), C1B's asynchronous saves
+(the first save's pause and a later one's, saves 100 steps apart: beyond the background write of
+12.5 GB), T5 at the lora-gpu rows' shape (t5-base, 512 + 128 tokens, batch 16, bf16) fully
+fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and (FSDP2) compiled, and each T5 run's
+--plan peak against its measured peak. One markdown table, with the card and the versions."""
+import codecs
 import json
 import os
 import re
@@ -38,7 +40,7 @@ T5_ROWS = {f"T5 {row}, FSDP{version}{', --compile' if compiled else ''}": (flags
            for version, compiled in ((1, False), (2, False), (2, True))}
 PYTEST = "pytest -m gpu"
 # pytest -m gpu's target is 5 minutes: past 6 it is stopped, its row FAILED with the tests that
-# had passed and the one running, and the headline rows still get the rest of a lent GPU's time.
+# had ended and those running, and the headline rows still get the rest of a lent GPU's time.
 PYTEST_LIMIT_S = 360
 PARTS = ("pytest", "c1b", "t5")  # the kinds of row, in the order they run
 
@@ -84,8 +86,8 @@ def t5_args(ctx):
 
 
 def command(config, metrics_path):
-    if config["kind"] == "pytest":  # -v: each test's outcome line as it ends (run_pytest)
-        return [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rfE", "-p",
+    if config["kind"] == "pytest":  # -v: a line as each test starts and as it ends (run_pytest)
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-n", "auto", "-v", "-rfE", "-p",
                 "no:cacheprovider", str(common.REPO / "tests")]
     return common.torchrun_command(config, metrics_path)
 
@@ -107,41 +109,52 @@ def run(config, command, workdir, env, timeout):
 
 
 def run_pytest(command, workdir, env, timeout):
-    """pytest -m gpu, each test's time (from the end of the one before or of the collection, its
-    fixtures included) taken as its outcome line comes, so that a run stopped at timeout (its
-    process group: the runs it started too) still says where its time went. The metrics file the
-    runner reads: the counts of outcomes and the three slowest tests. stderr: the failed tests'
-    lines, and where it was stopped."""
-    started = last = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=workdir, env=env, text=True, stdout=subprocess.PIPE,
+    """pytest -m gpu -n auto, each test's time (its fixtures included) from the line pytest-xdist
+    prints as the test starts on a worker to the one it prints as it ends, taken as they come, so
+    that a run stopped at timeout (its process group: the runs it started too) still says where
+    its time went. The metrics file the runner reads: the counts of outcomes and the three slowest
+    tests. stderr: the failed tests' lines, and where it was stopped."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     stop = threading.Timer(timeout, os.killpg, args=(proc.pid, signal.SIGTERM))
     stop.start()
-    lines, seconds, counts = [], {}, {}
-    for line in proc.stdout:
-        lines.append(line)
-        found = re.match(r"\S+?::(.+?) (PASSED|FAILED|SKIPPED|ERROR)\b", line)
-        if found:
-            now = time.perf_counter()
-            seconds[found[1]], last = now - last, now
-            counts[found[2].lower()] = counts.get(found[2].lower(), 0) + 1
-        elif re.search(r"\bcollected \d+ items?", line):  # the first test's time starts here
-            last = time.perf_counter()
+    running, seconds, counts = {}, {}, {}
+
+    def seen(line):  # "tests/test_t5.py::test_x " as it starts, and as it ends, on a worker,
+        # "[gw3] [ 40%] PASSED tests/test_t5.py::test_x "; each once
+        ended = re.match(r"\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR) \S+?::(.+?) $",
+                         line)
+        if ended and ended[2] not in seconds:
+            seconds[ended[2]] = time.perf_counter() - running.pop(ended[2], started)
+            counts[ended[1].lower()] = counts.get(ended[1].lower(), 0) + 1
+        elif (begun := re.match(r"\S+?::(.+?) $", line)) and begun[1] not in {**running, **seconds}:
+            running[begun[1]] = time.perf_counter()
+
+    # pytest ends a line as it begins the next (a worker's next test): a line is judged as it
+    # comes, before its newline, and again once whole
+    decoder, lines, tail = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], ""
+    while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+        *whole, tail = (tail + decoder.decode(chunk)).split("\n")
+        lines += whole
+        for line in [*whole, tail]:
+            seen(line)
     returncode = proc.wait()
     stop.cancel()
-    stdout = "".join(lines)
+    stdout = "\n".join([*lines, tail])
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:3]
     (workdir / "metrics.json").write_text(json.dumps({"device": "cuda", "world_size": 1,
                                                       **counts, "slowest": slowest}))
     stderr = "".join(f"{line}\n" for line in re.findall(r"^(?:FAILED|ERROR) .+$", stdout,
                                                         re.MULTILINE))
-    if time.perf_counter() - started >= timeout:  # stopped, in the test its last line began
-        running = re.match(r"\S+?::(.+?)\s*$", lines[-1]) if lines else None
-        selected = re.search(r"(\d+) selected", stdout)
-        stderr += (f"pytest -m gpu stopped at {timeout} s, {time.perf_counter() - last:.0f} s "
-                   f"into {running[1] if running else '?'}, after {len(seconds)} of "
+    if time.perf_counter() - started >= timeout:  # stopped: the tests that had not ended
+        now, selected = time.perf_counter(), re.search(r"\[(\d+) items?\]", stdout)
+        stderr += (f"pytest -m gpu stopped at {timeout} s, after {len(seconds)} of "
                    f"{selected[1] if selected else '?'} tests: "
-                   + ", ".join(f"{test} {taken:.0f} s" for test, taken in seconds.items()))
+                   + ", ".join(f"{test} {taken:.0f} s" for test, taken in seconds.items())
+                   + "; still running: "
+                   + (", ".join(f"{test} {now - at:.0f} s" for test, at in running.items())
+                      or "none"))
     return returncode, stdout, stderr, {}
 
 
