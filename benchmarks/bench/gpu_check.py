@@ -1,11 +1,11 @@
 """gpu-check: what a lent GPU is checked for, in one command of about 8 minutes on one GPU:
-`pytest -m gpu -n auto` (the GPU tests side by side, a pytest-xdist worker each: their runs are
-mostly new processes starting, on a GPU machine's many cores), then the headline rows, one run
-each (--gpu-check-repeats): C1B in bf16 and with float8 (tokens/s, MFU), C1B's asynchronous saves
-(the first save's pause and a later one's, saves 100 steps apart: beyond the background write of
-12.5 GB), T5 at the lora-gpu rows' shape (t5-base, 512 + 128 tokens, batch 16, bf16) fully
-fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and (FSDP2) compiled, and each T5 run's
---plan peak against its measured peak. One markdown table, with the card and the versions."""
+`pytest -m gpu -n auto` (the GPU tests side by side on a GPU machine's many cores, a pytest-xdist
+worker each), then the headline rows, one run each (--gpu-check-repeats): C1B in bf16 and with
+float8 (tokens/s, MFU), C1B's asynchronous saves (the first save's pause and a later one's, saves
+100 steps apart: beyond the background write of 12.5 GB), T5 at the lora-gpu rows' shape (t5-base,
+512 + 128 tokens, batch 16, bf16) fully fine-tuned and with LoRA, under FSDP1 and FSDP2, eager and
+(FSDP2) compiled, and each T5 run's --plan peak against its measured peak. One markdown table, with
+the card and the versions."""
 import codecs
 import json
 import os
