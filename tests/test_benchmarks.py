@@ -192,6 +192,26 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
             "lent"), refused.stderr
 
 
+def test_gpu_check_without_xdist_refuses_in_one_line(monkeypatch, capsys):
+    """Where a GPU is visible but pytest-xdist is not installed (a lent GPU's image, its wheel not
+    carried), gpu-check stops at once in one line that says what to install or how to leave the
+    GPU tests out, rather than fail its pytest row on "unrecognized arguments: -n"."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench
+    import run as runner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (only the check asks)
+    monkeypatch.setitem(sys.modules, "xdist", None)  # as if not installed: importing it fails
+    with pytest.raises(SystemExit) as refused:
+        runner.parse_args(bench.load(), ["--only", "gpu-check"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: gpu-check runs the GPU tests side by side with pytest-xdist, which is not "
+        "installed: pip install -r requirements-test.txt (or leave them out: --gpu-check-parts "
+        "c1b t5)")
+    runner.parse_args(bench.load(), ["--only", "gpu-check", "--gpu-check-parts", "c1b", "t5"])
+
+
 def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
     """gpu-check's pytest run, on a file of four tests instead of the GPU tests, side by side on
     pytest-xdist's workers: its row gives the counts and each test's own time (the slowest, to

@@ -60,6 +60,13 @@ def check(args, asked, error):
     common.at_least_one(args, error, "gpu_check_repeats")
     if asked and (args.no_gpu or not torch.cuda.is_available()) and not args.dry_run:
         error("gpu-check checks a CUDA GPU, and none is visible here: run it where one is lent")
+    if asked and "pytest" in args.gpu_check_parts and not args.dry_run:
+        try:
+            import xdist  # noqa: F401 (pytest -n: the GPU tests side by side)
+        except ImportError:
+            error("gpu-check runs the GPU tests side by side with pytest-xdist, which is not "
+                  "installed: pip install -r requirements-test.txt (or leave them out: "
+                  "--gpu-check-parts c1b t5)")
 
 
 def runs(ctx):
