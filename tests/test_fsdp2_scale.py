@@ -142,7 +142,7 @@ def test_an_async_save_pauses_training_for_less_than_its_copy(torchrun, tmp_path
     rank 0's pause also waits for the other rank to reach its step and end its copy (the ranks
     agree on the copy's outcome), which on a loaded machine took as long as a copy (in CI: a pause
     of 0.31 s against rank 0's copy of 0.25 s; beside 2 CPU hogs here, up to 0.21 s against
-    0.12-0.16 s). One process beside 2 hogs: pauses of 0.013-0.042 s, copies of 0.19-0.58 s."""
+    0.12-0.16 s). One process beside 2 hogs: pauses of 0.013-0.042 s, copies of 0.26-0.58 s."""
     result = torchrun(SCRIPT, "--dim", 768, "--n-layers", 6, "--n-heads", 12, "--vocab-size",
                       8000, "--seq-len", 32, "--batch-size", 4, "--steps", 9, "--save-every", 3,
                       "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-format", "sharded",
