@@ -18,6 +18,9 @@ import pytest
 import torch
 from conftest import REPO, Idle, processes_left
 
+# The runner's modules (run.py, bench/, t5_memory.py), imported by the tests that read them
+sys.path.insert(0, str(REPO / "benchmarks"))
+
 HEADERS = ["world size", "options", "train state / rank (MiB)", "state vs world size 1",
            "ideal 1/N", "peak RSS / rank (MiB)", "time / step (ms)", "tokens/s",
            "tokens/s vs plain"]
@@ -168,7 +171,6 @@ def test_export_and_gpu_benchmarks_run_what_they_say():
     assert all("--nproc_per_node 1" in run for run in check)
     # One run of each row by default, and of pytest -m gpu always: the runner's --repeats 3 made
     # it 30 runs, three of them the GPU tests, which alone outlasted 9 minutes on an H200.
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench
     import run as runner
     from bench import gpu_check
@@ -196,7 +198,6 @@ def test_gpu_check_without_xdist_refuses_in_one_line(monkeypatch, capsys):
     """Where a GPU is visible but pytest-xdist is not installed (a lent GPU's image, its wheel not
     carried), gpu-check stops at once in one line that says what to install or how to leave the
     GPU tests out, rather than fail its pytest row on "unrecognized arguments: -n"."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import bench
     import run as runner
 
@@ -218,7 +219,6 @@ def test_gpu_check_names_the_slowest_the_failed_and_the_stopped_tests(tmp_path):
     size the check by), and a failed test's name and error line reach the stderr that the runner
     prints for a failed run; stopped by its time limit, it says which tests had ended and which
     were running, and the processes a test started are stopped too."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from bench import gpu_check
 
     (tmp_path / "test_four.py").write_text(
@@ -288,7 +288,6 @@ def test_a_stopped_harness_keeps_what_it_measured(tmp_path):
 
 def test_memory_picture_is_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from t5_memory import draw
 
     sizes = [1, 2, 4]

@@ -135,8 +135,8 @@ def run_pytest(command, workdir, env, timeout):
         if ended and ended[2] not in seconds:
             seconds[ended[2]] = time.perf_counter() - running.pop(ended[2], started)
             counts[ended[1].lower()] = counts.get(ended[1].lower(), 0) + 1
-        elif (begun := re.match(r"\S+?::(.+?) $", line)) and begun[1] not in {**running, **seconds}:
-            running[begun[1]] = time.perf_counter()
+        elif (begun := re.match(r"\S+?::(.+?) $", line)) and begun[1] not in seconds:
+            running.setdefault(begun[1], time.perf_counter())
 
     # pytest ends a line as it begins the next (a worker's next test): a line is judged as it
     # comes, before its newline, and again once whole
