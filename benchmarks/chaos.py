@@ -123,8 +123,13 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target
                 victims = checkpoint_writers(set(victims))
             if not victims:
                 continue  # (no writer process at this moment: look again)
-            during_save += writing(cwd)
-            os.kill(rng.choice(list(victims)), signal.SIGKILL)
+            victim, saving = rng.choice(victims), writing(cwd)
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:  # it ended by itself since it was found (a failed attempt)
+                print(f"pid {victim} ended before its kill: looking again", file=sys.stderr)
+                continue
+            during_save += saving
             attempts.add(frozenset(found.values()))
             done += 1
         agent.wait(timeout=max(1, deadline - time.monotonic()))

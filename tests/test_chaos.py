@@ -25,6 +25,9 @@ import sys
 import pytest
 from conftest import REPO, Idle
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import chaos as chaos_py  # noqa: E402  (benchmarks/chaos.py: its killer, in this process)
+
 ROOT = os.geteuid() == 0  # mounting a small tmpfs needs root
 
 
@@ -79,3 +82,28 @@ def test_a_disk_filled_by_another_process_stops_cleanly_and_resumes_exactly(chao
     row = chaos[1]["disk-full-sharded-async"]
     assert row["fills"] == 1 and row["restarts"] == 1 and row["other_stops"] == 0, row
     assert row["same_final_state"] and row["same_losses"], row
+
+
+# A worker for the killer: the first attempt prints a step and a save, then fails by itself at
+# once (exit 1), so torchrun restarts the group; the restart prints nothing and ends.
+ENDS_BY_ITSELF = """import os, sys, time
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    time.sleep(0.5)
+    print("step 1 | Saved", flush=True)
+    sys.exit(1)
+time.sleep(3)
+"""
+
+
+def test_a_victim_that_ended_by_itself_is_looked_for_again(tmp_path, capsys):
+    """chaos.py finds an attempt's workers, waits for a step and a save, then kills one: a worker
+    that ended in between (its attempt failed by itself) is no error for the killer, which says so
+    and looks again. (A suite of eb0fa8d, 2026-11-30, lost all three chaos tests to a
+    ProcessLookupError there.) Killer seed 313 waits 0.97 s after the step, the failed workers
+    ending within 0.01 s of it."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(ENDS_BY_ITSELF)
+    returncode, output, kills, _, left = chaos_py.run(worker, [], r"step (\d+)", tmp_path, 2,
+                                                      kills=1, seed=313, timeout=60)
+    assert returncode == 0 and kills == 0 and left == [], output
+    assert "ended before its kill: looking again" in capsys.readouterr().err
