@@ -126,7 +126,8 @@ def run(script, args, pattern, cwd, nproc, kills=0, seed=0, timeout=1800, target
             victim, saving = rng.choice(victims), writing(cwd)
             try:
                 os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:  # it ended by itself since it was found (a failed attempt)
+            except ProcessLookupError:  # ended since it was found: its attempt failed, or the run
+                # ended (the killer, at the lowest priority, slept past its last step)
                 print(f"pid {victim} ended before its kill: looking again", file=sys.stderr)
                 continue
             during_save += saving
