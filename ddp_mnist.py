@@ -13,7 +13,7 @@ memory, time). The DDP part is wrap_model(); main() is the recipe. After the PyT
 
 MNIST downloads into --data-dir (default data); offline, `python tests/digits_mnist.py data`
 writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
-Copy it with safe_launch.py: the launching, checks and one-line errors the four scripts share.
+Copy it with the safeguards package: the launching, checks and one-line errors main applies.
 """
 import os
 
@@ -28,6 +28,14 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
+
+from safeguards.checkpoints import check_outputs, saving
+from safeguards.errors import agree_on_error, stop_if_diverged, stop_on_non_finite_gradients
+from safeguards.flags import RankZeroArgumentParser, add_run_flags, positive
+from safeguards.launch import launch
+from safeguards.mnist_checks import DIVERGED, MEMORY_ADVICE, checked_mnist, flag_problem
+from safeguards.report import Report, nbytes, tensors_in
+from safeguards.workarounds import quiet_known_warnings
 
 
 def rank0_print(*args, **kwargs):
@@ -130,12 +138,14 @@ def save_model(model, path="mnist_cnn.pt"):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    # 1. Seed, and check the outputs before any work.
+    # 1. Check the flags and the outputs before any work (one line from rank 0 if they cannot).
+    agree_on_error(flag_problem(args, device, dist.get_world_size()))
+    quiet_known_warnings()  # library warnings that say nothing a user can act on
     torch.manual_seed(args.seed)
     checkpoint = os.path.abspath("mnist_cnn.pt") if args.save_model else None
-    check_outputs(args, {}, {"--save-model": checkpoint})
+    check_outputs(args.metrics_json, {}, {"--save-model": checkpoint})
     # 2. Data: every rank reads its own part of each set (DistributedSampler).
-    train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # one-line errors
+    train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # a bad download: one line
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
                               sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
@@ -158,7 +168,8 @@ def main(args, device):
     # 6. Save the full state dict (rank 0): never a diverged model, and not beyond the free space.
     if checkpoint:
         stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
-        with saving(checkpoint, state_bytes(model.module.state_dict()), "run it in another folder"):
+        with saving([checkpoint], nbytes(tensors_in(model.module.state_dict())),
+                    "run it in another folder"):
             save_model(model, checkpoint)
     report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint)
@@ -180,41 +191,15 @@ def parse_args(argv=None):
     add("--dry-run", action="store_true", help="one training and one test batch per epoch")
     add = parser.add_argument_group("data").add_argument
     add("--data-dir", default="data", help="folder of MNIST/raw; downloaded there if missing")
-    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (safe_launch)
+    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json
     add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
     return parser.parse_args(argv)
 
 
-# ==================================================================================================
-# Safeguards, not part of the lesson: main applies them around the lesson's calls. This script's are
-# its advice; the checks of the MNIST files and everything else come from safe_launch.py, which all
-# four scripts share.
-# ==================================================================================================
-from safe_launch import (
-    RankZeroArgumentParser,
-    Report,
-    Script,
-    add_run_flags,
-    check_outputs,
-    checked_mnist,
-    launch,
-    positive,
-    saving,
-    state_bytes,
-    stop_if_diverged,
-    stop_on_non_finite_gradients,
-)
-
-# What the one-line errors advise when memory runs out, or when training diverges.
-MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
-DIVERGED = "try a smaller --lr"
-
-
 def run(argv=None):
-    """Parse the flags and run main on every rank, however the job was started (safe_launch)."""
-    launch(parse_args(argv), Script(
-        main=main, check_flags=None, memory_advice=MEMORY_ADVICE,
-        resume_hint="MNIST runs keep no checkpoint: a rerun starts from epoch 1"))
+    """Parse the flags and run main on every rank, however the job was started."""
+    launch(main, parse_args(argv), memory_advice=MEMORY_ADVICE,
+           resume_hint="MNIST runs keep no checkpoint: a rerun starts from epoch 1")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ for new code, PyTorch's FSDP2 guide recommends FSDP2 (fully_shard), as in fsdp2_
 
 MNIST downloads into --data-dir (default data); offline, `python tests/digits_mnist.py data`
 writes scikit-learn's digits as MNIST files. CUDA + NCCL when a GPU is visible, else CPU + gloo.
-Copy it with safe_launch.py: the launching, checks and one-line errors the four scripts share.
+Copy it with the safeguards package: the launching, checks and one-line errors main applies.
 """
 import functools
 import os
@@ -34,6 +34,15 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets, transforms
+
+from safeguards.checkpoints import check_outputs, saving
+from safeguards.describe import describe_fsdp1, fsdp1_full_bytes
+from safeguards.errors import agree_on_error, stop_if_diverged, stop_on_non_finite_gradients
+from safeguards.flags import RankZeroArgumentParser, add_run_flags, fsdp1_strategy, positive
+from safeguards.launch import launch
+from safeguards.mnist_checks import DIVERGED, MEMORY_ADVICE, checked_mnist, flag_problem
+from safeguards.report import Report
+from safeguards.workarounds import offload_to_cpu, quiet_known_warnings
 
 
 def rank0_print(*args, **kwargs):
@@ -155,23 +164,26 @@ def save_model(model, path="mnist_cnn.pt", cpu_offload=True):
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
-    # 1. Seed, and check the outputs before any work (the flags are checked: check_flags).
+    # 1. Check the flags and the outputs before any work (one line from rank 0 if they cannot).
+    agree_on_error(flag_problem(args, device, dist.get_world_size()))
+    quiet_known_warnings()  # library warnings that say nothing a user can act on
     torch.manual_seed(args.seed)
     checkpoint = os.path.abspath("mnist_cnn.pt") if args.save_model else None
-    check_outputs(args, {}, {"--save-model": checkpoint})
+    check_outputs(args.metrics_json, {}, {"--save-model": checkpoint})
     # 2. Data: every rank reads its own part of each set (DistributedSampler).
-    train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # one-line errors
+    train_set, test_set = checked_mnist(args.data_dir, load_mnist)  # a bad download: one line
     loader_kwargs = {"num_workers": 2, "pin_memory": True} if device.type == "cuda" else {}
     train_loader = DataLoader(train_set, batch_size=args.batch_size, **loader_kwargs,
                               sampler=DistributedSampler(train_set, shuffle=True, seed=args.seed))
     test_loader = DataLoader(test_set, batch_size=args.test_batch_size, **loader_kwargs,
                              sampler=DistributedSampler(test_set, shuffle=False))
-    # 3. The model, wrapped in FSDP units, then what FSDP built.
+    # 3. The model, wrapped in FSDP units (NO_SHARD where one process has nothing to shard
+    #    with), then what FSDP built.
     model = wrap_model(Net(), device, auto_wrap_min_params=args.auto_wrap_min_params,
-                       sharding_strategy=strategy_to_use(args.sharding_strategy),  # see there
+                       sharding_strategy=fsdp1_strategy(args.sharding_strategy),
                        cpu_offload=args.cpu_offload, backward_prefetch=args.backward_prefetch,
                        use_orig_params=args.use_orig_params)
-    describe_fsdp(model)
+    describe_fsdp1(model)
     # 4. The optimizer, made after wrapping so that it sees the shards; lr decays every epoch.
     optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
@@ -187,7 +199,7 @@ def main(args, device):
     # 6. Save the full state dict (rank 0): never a diverged model, and not beyond the free space.
     if checkpoint:
         stop_if_diverged("a parameter", list(model.parameters()), DIVERGED)
-        with saving(checkpoint, full_state_bytes(model), "run it in another folder"):
+        with saving([checkpoint], fsdp1_full_bytes(model), "run it in another folder"):
             save_model(model, checkpoint, cpu_offload=offload_to_cpu(model))
     report.write(train_loss=train_losses[-1], train_losses=train_losses, test_loss=test_loss,
                  accuracy=accuracy, epoch_times=report.laps, checkpoint=checkpoint,
@@ -226,78 +238,15 @@ def parse_args(argv=None):
     add("--cpu-offload", action="store_true", help="parameters in host memory (needs a GPU)")
     add("--use-orig-params", action="store_true", help="optimize the original parameters, not "
         "FSDP's flat ones")
-    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json (safe_launch)
+    add = add_run_flags(parser)  # --cpu, --world-size, --dist-timeout, --metrics-json
     add("--save-model", action="store_true", help="save ./mnist_cnn.pt (loads into a plain Net)")
     return parser.parse_args(argv)
 
 
-# ==================================================================================================
-# Safeguards: this script's own checks, one-line errors, the printout of what FSDP built (private
-# attributes) and labelled workarounds, not part of the lesson: main applies them around its calls.
-# ==================================================================================================
-import warnings
-
-from safe_launch import (
-    RankZeroArgumentParser,
-    Report,
-    Script,
-    add_run_flags,
-    check_outputs,
-    checked_mnist,
-    fail,
-    full_state_bytes,
-    launch,
-    offload_to_cpu,
-    positive,
-    saving,
-    stop_if_diverged,
-    stop_on_non_finite_gradients,
-    strategy_to_use,
-)
-
-# What the one-line errors advise when memory runs out, or when training diverges.
-MEMORY_ADVICE = "use a smaller --batch-size or --test-batch-size"
-DIVERGED = "try a smaller --lr"
-
-# Workaround: FSDP1 warns on every NO_SHARD run though nothing is wrong (torch 2.14). At world
-# size > 1, "The `NO_SHARD` sharding strategy is deprecated" (a FutureWarning, said in --help
-# instead: ddp_mnist.py is the DDP program it points to); in each state_dict() of a NO_SHARD
-# model, twice per save and at world size 1 too (where every strategy becomes NO_SHARD),
-# "full_state_dict will be returned", which is what save_model asks for. Only these two are
-# filtered, by message; remove each once torch no longer prints it (tests/test_mnist.py's
-# test_no_shard_prints_no_warning passes without it).
-warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
-warnings.filterwarnings("ignore", "When using ``NO_SHARD`` for ``ShardingStrategy``, "
-                        "full_state_dict will", UserWarning)
-
-
-def check_flags(args, device, world_size):
-    """One line and exit 1 for a flag this device cannot honour."""
-    if args.cpu_offload and device.type != "cuda":
-        fail("--cpu-offload moves parameters between GPU and host memory and needs a CUDA GPU; "
-             "none is in use here (drop --cpu-offload, or run on a GPU without --cpu).")
-
-
-def describe_fsdp(model):
-    """Print what FSDP built, read from the wrapped model itself rather than from the flags."""
-    units = [(name.replace("_fsdp_wrapped_module.", "") or "root", unit)
-             for name, unit in model.named_modules() if isinstance(unit, FSDP)]
-    rank0_print(f"FSDP built {len(units)} unit{'s' * (len(units) != 1)}: "
-                f"{model.sharding_strategy.name}, backward prefetch "
-                f"{getattr(model.backward_prefetch, 'name', 'NONE')}, CPU offload "
-                f"{model.cpu_offload.offload_params}, use_orig_params {model._use_orig_params}")
-    for name, unit in units:
-        flat = unit._flat_param  # private: the unit's own parameters, flattened and sharded
-        total = flat._unpadded_unsharded_size.numel() if flat is not None else 0
-        rank0_print(f"  {name} ({type(unit.module).__name__}): {total:,} parameters, "
-                    f"{flat.numel() if flat is not None else 0:,} on rank 0")
-
-
 def run(argv=None):
-    """Parse the flags and run main on every rank, however the job was started (safe_launch)."""
-    launch(parse_args(argv), Script(
-        main=main, check_flags=check_flags, memory_advice=MEMORY_ADVICE,
-        resume_hint="MNIST runs keep no checkpoint: a rerun starts from epoch 1"))
+    """Parse the flags and run main on every rank, however the job was started."""
+    launch(main, parse_args(argv), memory_advice=MEMORY_ADVICE,
+           resume_hint="MNIST runs keep no checkpoint: a rerun starts from epoch 1")
 
 
 if __name__ == "__main__":

@@ -402,15 +402,17 @@ def distributed_program(text, **values):
 
 
 def script_with_lines(script, folder, after, lines):
-    """A copy of the script in folder, beside a copy of the module it imports (safe_launch.py),
-    with `lines` added after the line `after`: in the script where it has that line, else in the
-    module. How a test puts a bug or a fault inside a real run. Returns the script's copy's path."""
-    codes = {name: (REPO / name).read_text() for name in (script, "safe_launch.py")}
-    patched = next((name for name, code in codes.items() if after in code), None)
-    assert patched, f"neither {script} nor safe_launch.py has the line {after!r} any more"
-    for name, code in codes.items():
-        (folder / name).write_text(code.replace(after, after + lines, 1) if name == patched
-                                   else code)
+    """A copy of the script in folder, beside a copy of the safeguards package it imports, with
+    `lines` added after the line `after`: in the script where it has that line, else in the first
+    module of the package that has it. How a test puts a bug or a fault inside a real run. Returns
+    the script's copy's path."""
+    shutil.copytree(REPO / "safeguards", folder / "safeguards",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    files = [folder / script, *sorted((folder / "safeguards").glob("*.py"))]
+    (folder / script).write_text((REPO / script).read_text())
+    patched = next((path for path in files if after in path.read_text()), None)
+    assert patched, f"neither {script} nor the safeguards package has the line {after!r} any more"
+    patched.write_text(patched.read_text().replace(after, after + lines, 1))
     return folder / script
 
 

@@ -468,25 +468,28 @@ def preload(script):
     return printed
 
 
-def imported_by(path, seen):
-    """The modules a file's import statements name, except those beside it (whose own imports
-    are listed instead): a worker of a changed copy must import its own."""
-    names = []
+def imported_by(path, seen, root=None):
+    """The modules a file's import statements name, except those beside the script (root: its
+    folder), modules and packages (whose own imports are listed instead): a worker of a changed
+    copy must import its own."""
+    root, names = root or path.parent, []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
+            files = {alias.name: root / (alias.name.replace(".", "/") + ".py")
+                     for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            modules = [node.module]
+            files = {node.module: root / (node.module.replace(".", "/") + ".py")}
+        elif isinstance(node, ast.ImportFrom):  # relative: a module of the same package
+            files = {None: path.parent / ((node.module or "__init__") + ".py")}
         else:
             continue
-        for module in modules:
-            local = path.parent / (module.split(".")[0] + ".py")
-            if local.exists():
-                if local not in seen:
-                    seen.add(local)
-                    names += imported_by(local, seen)
-            else:
+        for module, local in files.items():
+            ours = module is None or local.exists() or (root / module.split(".")[0]).is_dir()
+            if not ours:
                 names.append(module)
+            elif local.exists() and local not in seen:
+                seen.add(local)
+                names += imported_by(local, seen, root)
     return names
 
 

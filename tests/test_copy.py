@@ -4,8 +4,8 @@ are cut out of the lesson with the lesson's imports and the one helper a unit ma
 (rank0_print), and nothing below the Safeguards fence; a 2-rank gloo job under torchrun then does
 a small real thing with them: a step whose loss is finite, a save then a load that round-trips
 bit-identically, an export that from_pretrained opens. A unit that calls a safeguard fails here
-with a NameError (the last test shows it). And a whole script copied with safe_launch.py, what the
-README says to copy, runs in an empty folder, launched by python and by torchrun."""
+with a NameError (the last test shows it). And a whole script copied with the safeguards package,
+what the README says to copy, runs in an empty folder, launched by python and by torchrun."""
 import ast
 import shutil
 import sys
@@ -306,30 +306,31 @@ def test_a_unit_that_calls_a_safeguard_does_not_run_copied():
     assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output
 
 
-# A whole script copied with safe_launch.py into an empty folder: what the README tells a user to
-# copy. Real new processes (the queue's), launched both ways.
+# A whole script copied with the safeguards package into an empty folder: what the README tells a
+# user to copy. Real new processes (the queue's), launched both ways.
 FSDP2_ARGS = ["--cpu", "--steps", "6", "--log-every", "2", "--checkpoint-dir", "ckpt",
               "--checkpoint-format", "sharded"]
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_fsdp2_copied_with_the_module_runs_both_ways(launcher):
-    """fsdp2_transformer.py and safe_launch.py alone in a folder: `python fsdp2_transformer.py`
+    """fsdp2_transformer.py and safeguards/ alone in a folder: `python fsdp2_transformer.py`
     (two processes it spawns) and torchrun both train, checkpoint, and give the same losses."""
-    run = copy_run(f"fsdp2 and safe_launch, {launcher}")
+    run = copy_run(f"fsdp2 and safeguards, {launcher}")
     assert run.returncode == 0, run.output
     assert sorted(path.name for path in run.cwd.iterdir() if path.suffix == ".py") == [
-        "fsdp2_transformer.py", "safe_launch.py"]
+        "fsdp2_transformer.py"]
+    assert (run.cwd / "safeguards" / "launch.py").exists()
     assert run.metrics["script"] == "fsdp2_transformer.py" and run.metrics["world_size"] == 2
     assert (run.cwd / "ckpt" / "step_000006" / "COMPLETE").exists()
-    other = copy_run(f"fsdp2 and safe_launch, {({'python', 'torchrun'} - {launcher}).pop()}")
+    other = copy_run(f"fsdp2 and safeguards, {({'python', 'torchrun'} - {launcher}).pop()}")
     assert run.metrics["losses"] == other.metrics["losses"]
 
 
 def test_ddp_mnist_copied_with_the_module_runs():
-    """ddp_mnist.py and safe_launch.py alone in a folder: `python ddp_mnist.py` trains, tests
+    """ddp_mnist.py and safeguards/ alone in a folder: `python ddp_mnist.py` trains, tests
     and saves mnist_cnn.pt, which loads into a plain Net."""
-    run = copy_run("ddp_mnist and safe_launch")
+    run = copy_run("ddp_mnist and safeguards")
     assert run.returncode == 0, run.output
     assert run.metrics["script"] == "ddp_mnist.py" and run.metrics["accuracy"] > 0.3
     state = torch.load(run.cwd / "mnist_cnn.pt", weights_only=True)
@@ -368,16 +369,17 @@ def copy_commands(folder, fixture):
         return fsdp2(text=text.replace(step, step + "    describe_fsdp(model)\n", 1))
 
     def whole(script, *args, launcher="python"):
-        for name in (script, "safe_launch.py"):
-            shutil.copy(REPO / name, folder)
+        shutil.copy(REPO / script, folder)
+        shutil.copytree(REPO / "safeguards", folder / "safeguards",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         start = [sys.executable] if launcher == "python" else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", 2]
         return [*start, folder / script, *args, "--metrics-json", folder / "metrics.json"]
 
-    return {"fsdp2 and safe_launch, python": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS),
-            "fsdp2 and safe_launch, torchrun": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS,
+    return {"fsdp2 and safeguards, python": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS),
+            "fsdp2 and safeguards, torchrun": lambda: whole("fsdp2_transformer.py", *FSDP2_ARGS,
                                                              launcher="torchrun"),
-            "ddp_mnist and safe_launch": lambda: whole(
+            "ddp_mnist and safeguards": lambda: whole(
                 "ddp_mnist.py", "--cpu", "--epochs", 1, "--data-dir", fixture("mnist_dir"),
                 "--save-model", *MNIST_TINY),
             **{f"t5 {version}, {model}": lambda v=version, m=model: t5(v, m)
@@ -393,9 +395,9 @@ def case_of(item):
     """The name of the copy the test item reads."""
     params = getattr(item, "callspec", None) and item.callspec.params
     if item.originalname == "test_fsdp2_copied_with_the_module_runs_both_ways":
-        return [f"fsdp2 and safe_launch, {launcher}" for launcher in ("python", "torchrun")]
+        return [f"fsdp2 and safeguards, {launcher}" for launcher in ("python", "torchrun")]
     return {"test_fsdp2_units_run_copied_alone": "fsdp2",
-            "test_ddp_mnist_copied_with_the_module_runs": "ddp_mnist and safe_launch",
+            "test_ddp_mnist_copied_with_the_module_runs": "ddp_mnist and safeguards",
             "test_a_unit_that_calls_a_safeguard_does_not_run_copied":
                 "fsdp2, train_step calling a safeguard",
             "test_mnist_units_run_copied_alone": params and params.get("script"),

@@ -21,7 +21,8 @@ from conftest import (
 )
 
 sys.path.insert(0, str(REPO))
-from fsdp2_transformer import Transformer, flops_per_token, global_batch, task_rules  # noqa: E402
+from fsdp2_transformer import Transformer, global_batch, task_rules  # noqa: E402
+from safeguards.step_log import flops_per_token  # noqa: E402
 
 SCRIPT = "fsdp2_transformer.py"
 
@@ -109,10 +110,11 @@ def test_on_torch_before_2_13_async_saves_copy_into_the_first_saves_memory(monke
     torch 2.11)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    import fsdp2_transformer
+    from safeguards import safe_saves
+    from safeguards.report import tensors_in
 
-    monkeypatch.setattr(fsdp2_transformer, "STAGER_REUSABLE", False)
-    stager = fsdp2_transformer.FiniteStager(DefaultStager(StagingOptions(
+    monkeypatch.setattr(safe_saves, "STAGER_REUSABLE", False)
+    stager = safe_saves.FiniteStager(DefaultStager(StagingOptions(
         use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
         use_non_blocking_copy=False)))  # the lesson's options on CPU
     weight, moment = torch.zeros(1000), torch.zeros(1000)
@@ -122,7 +124,7 @@ def test_on_torch_before_2_13_async_saves_copy_into_the_first_saves_memory(monke
         weight.fill_(save)
         moment.fill_(-save)
         copy = stager.stage(state).result()
-        assert all(tensor.is_shared() for tensor in fsdp2_transformer.tensors_of(copy))
+        assert all(tensor.is_shared() for tensor in tensors_in(copy))
         assert copy["model"]["w"].data_ptr() != weight.data_ptr()
         assert (copy["model"]["w"] == save).all()
         assert (copy["optimizer"]["state"]["w"]["exp_avg"] == -save).all()
@@ -309,7 +311,7 @@ H100_PEAKS = [(8, [], 37_568), (8, ["--activation-checkpointing"], 20_934), (16,
 def test_plan_predicts_the_peaks_measured_on_an_h100(batch_size, options, measured):
     """The predicted peak is within 15% of what the script printed on an H100 (planned on CPU:
     the planner needs no GPU)."""
-    from fsdp2_transformer import memory_plan
+    from safeguards.fsdp2_plan import memory_plan
 
     with torch.device("meta"):
         model = Transformer(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, seq_len=2048)

@@ -6,20 +6,25 @@ The reference run (conftest's T5_REFERENCE: FSDP1, --generate gathered), FSDP2's
 (by-block, 4 batches a rank) and LoRA's reference (FSDP2, gathered) generate too;
 tests/test_t5.py's check_export and tests/test_lora.py's export test hold their summaries against
 their exports. Here: the recall runs, --generate by-block under each FSDP version, on articles
-whose summaries end far sooner on one rank than on the other."""
+whose summaries end far sooner on one rank than on the other; ROUGE itself held to values fixed
+here (the rouge_score package's, stemmed, one sentence per line); --num-beams held to
+model.generate's beam search on the run's export."""
 import json
 import sys
 
 import pytest
-from conftest import REPO, greedy_summaries, t5_args
+import torch
+from conftest import REPO, T5_INPUT_LENGTH, T5_OUTPUT_LENGTH, greedy_summaries, t5_args
+from rouge_score import rouge_scorer
 from tiny_wikihow import DROPPED, articles, normalized, write_wikihow
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 
 sys.path.insert(0, str(REPO))
-from summarization_dataset import rouge_scores, wikihow  # noqa: E402
+from summarization_dataset import ROUGE_KEYS, rouge_scores, sentence_lines, wikihow  # noqa: E402
 
 SCRIPT = "t5_fsdp_finetune.py"
 RECALL_ARTICLES, RECALL_EPOCHS = 8, 20
+BEAMS, BEAM_ARTICLES = 3, 8
 
 
 @pytest.fixture(scope="session")
@@ -139,3 +144,88 @@ def test_summaries_of_the_reference_count_each_article_once(t5_reference, tiny_t
     printed = t5_reference.stdout.split("ROUGE-1 ")[-1].splitlines()
     assert printed[2] == f"    reference: {rows[0]['reference']}", printed
     assert printed[3] == f"    generated: {rows[0]['generated']}", printed
+
+
+# (prediction, reference): stemming matters in the first (Porter: dogs, running, runs -> dog, run;
+# the rouge_score package stems tokens of more than 3 letters), the sentences' order in the second
+# (the same three steps, the last one first).
+STEMMED = ("A dog runs.", "The dogs are running.")
+REORDERED = ("Sing loudly. Buy a cake. Light the candles.",
+             "Buy a cake. Light the candles. Sing loudly.")
+# By hand, F-measure in percent. STEMMED: 2 of 3 predicted unigrams (dog, run) in the 4 of the
+# reference, F = 2 * 2/3 * 1/2 / (2/3 + 1/2) = 4/7; no bigram; LCS "dog run", 4/7 again; one
+# sentence, so ROUGE-Lsum = ROUGE-L. REORDERED: all 8 unigrams; 6 of 7 bigrams (not "candles sing",
+# "loudly buy"); LCS "buy a cake light the candles", 6/8; ROUGE-Lsum, sentence by sentence: each
+# reference sentence is a predicted one, 100.
+EXPECTED = {STEMMED: {"rouge1": 400 / 7, "rouge2": 0, "rougeL": 400 / 7, "rougeLsum": 400 / 7},
+            REORDERED: {"rouge1": 100, "rouge2": 600 / 7, "rougeL": 75, "rougeLsum": 100}}
+
+
+def test_rouge_is_stemmed_and_lsum_scores_sentence_by_sentence():
+    """rouge_scores gives, pair by pair and averaged, the F-measures computed by hand above, which
+    are the rouge_score package's with Porter stemming on texts of one sentence per line (written
+    here with their line breaks, not by sentence_lines). The texts make both choices count:
+    unstemmed, STEMMED shares no word at all; unsplit, REORDERED's ROUGE-Lsum falls to its
+    ROUGE-L (75). So ROUGE without stemming, or ROUGE-Lsum on text not split into sentences,
+    fails here."""
+    keys = list(ROUGE_KEYS)
+    lines = {STEMMED: ("A dog runs.", "The dogs are running."),
+             REORDERED: ("Sing loudly.\nBuy a cake.\nLight the candles.",
+                         "Buy a cake.\nLight the candles.\nSing loudly.")}
+    for pair, expected in EXPECTED.items():
+        prediction, reference = lines[pair]
+        package = rouge_scorer.RougeScorer(keys, use_stemmer=True).score(reference, prediction)
+        assert {key: 100 * package[key].fmeasure for key in keys} == pytest.approx(expected)
+        assert rouge_scores([pair[0]], [pair[1]]) == pytest.approx(expected, abs=1e-4), pair
+    assert sentence_lines(REORDERED[1]) == lines[REORDERED][1]
+    mean = {key: (EXPECTED[STEMMED][key] + EXPECTED[REORDERED][key]) / 2 for key in keys}
+    assert rouge_scores(*zip(STEMMED, REORDERED)) == pytest.approx(mean, abs=1e-4)
+    # the effects are there: unstemmed, STEMMED scores 0; unsplit, REORDERED's Lsum is its L
+    unstemmed = rouge_scorer.RougeScorer(keys, use_stemmer=False).score(STEMMED[1], STEMMED[0])
+    assert all(unstemmed[key].fmeasure == 0 for key in keys), unstemmed
+    unsplit = rouge_scorer.RougeScorer(keys, use_stemmer=True).score(REORDERED[1], REORDERED[0])
+    assert unsplit["rougeLsum"].fmeasure == unsplit["rougeL"].fmeasure == 0.75, unsplit
+
+
+def rank_batches(samples, ranks=2, batch_size=4):
+    """The validation articles' indices in the batches the ranks generate (rank_loader's
+    DistributedSampler, unshuffled: rank r takes every ranks-th from r, the split padded with its
+    first articles to a multiple of ranks), rank 0's batches first."""
+    padded = [*range(samples), *range(samples)][:-(-samples // ranks) * ranks]
+    shares = [padded[rank::ranks] for rank in range(ranks)]
+    return [share[i:i + batch_size] for share in shares for i in range(0, len(share), batch_size)]
+
+
+def summaries_in_plain_python(folder, data_dir, samples, **options):
+    """Each validation article's summary by the exported model in folder, generated with options
+    (num_beams, max_new_tokens) in the test's own process, in the ranks' batches (rank_batches)."""
+    tokenizer = T5Tokenizer.from_pretrained(folder)
+    model = T5ForConditionalGeneration.from_pretrained(folder).eval()
+    val = wikihow(tokenizer, "validation", samples, T5_INPUT_LENGTH, T5_OUTPUT_LENGTH,
+                  data_dir=data_dir)
+    summaries = {}
+    with torch.no_grad():
+        for batch in rank_batches(samples):
+            ids = model.generate(input_ids=val.source_ids[batch],
+                                 attention_mask=val.source_mask[batch], **options)
+            summaries.update(zip(batch, tokenizer.batch_decode(ids, skip_special_tokens=True)))
+    return [summaries[i] for i in range(samples)]
+
+
+def test_num_beams_generates_by_beam_search(cached_torchrun, still_t5_dir, wikihow_dir):
+    """--rouge --num-beams 3 (one epoch of one step a rank on 8 articles, 8 validation articles):
+    the predictions file holds, article for article, what model.generate(num_beams=3) writes with
+    the run's export in a plain Python, in the ranks' batches of 4; and greedy decoding of that
+    export writes other summaries for some of them, so a run that generated greedily whatever
+    --num-beams says would fail here."""
+    run = cached_torchrun(SCRIPT, *t5_args(still_t5_dir, wikihow_dir, 1), "--num-train-samples",
+                          BEAM_ARTICLES, "--num-val-samples", BEAM_ARTICLES, "--rouge",
+                          "--num-beams", BEAMS, timeout=240)
+    assert run.returncode == 0, run.output
+    written = [row["generated"] for row in predictions(run.metrics["rouge"]["predictions"])]
+    beams, greedy = (summaries_in_plain_python(run.metrics["checkpoint"], wikihow_dir,
+                                               BEAM_ARTICLES, num_beams=num_beams,
+                                               max_new_tokens=T5_OUTPUT_LENGTH)
+                     for num_beams in (BEAMS, 1))
+    assert written == beams
+    assert sum(b != g for b, g in zip(beams, greedy)) >= 1, (beams, greedy)

@@ -242,8 +242,9 @@ def test_both_checkpointing_scripts_resume_from_the_same_kind_of_folder(tmp_path
     """fsdp2's step_N/COMPLETE (torchtitan's) and T5's checkpoint-epoch-N/trainer_state.json (HF
     Trainer's) are found by one shared newest_complete: the highest N whose marker is there, not
     a .tmp (a save cut short, even with its marker) nor a folder without its marker."""
-    import fsdp2_transformer
     import safe_launch
+
+    import fsdp2_transformer
     import t5_fsdp_finetune
 
     assert fsdp2_transformer.newest_complete is t5_fsdp_finetune.newest_complete

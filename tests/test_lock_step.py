@@ -1,8 +1,8 @@
-"""safe_launch.LockStep: ranks that run different numbers of batches, or of forwards in a batch,
-stop in one line instead of waiting in FSDP's collectives until --dist-timeout. The faults are put
-into copies of the real scripts, run on 2 CPU ranks: a user's own loader that gives one rank fewer
-batches (fsdp2), and T5's --max-tokens without the fillers that keep the ranks' micro-batches
-in step."""
+"""safeguards.errors.LockStep: ranks that run different numbers of batches, or of forwards in a
+batch, stop in one line instead of waiting in FSDP's collectives until --dist-timeout. The faults
+are put into copies of the real scripts, run on 2 CPU ranks: a user's own loader that gives one
+rank fewer batches (fsdp2), and T5's --max-tokens without the fillers that keep the ranks'
+micro-batches in step."""
 import shutil
 import time
 

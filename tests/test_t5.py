@@ -495,36 +495,37 @@ def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
     checkpoint of --save-dir, or that a rerun starts from epoch 1."""
     from argparse import Namespace
 
-    from t5_fsdp_finetune import resume_hint
+    from safeguards.t5_checks import resume_hint
 
     args = Namespace(save_model=True, checkpoint_type="sharded", save_dir=str(tmp_path))
-    assert resume_hint(args) == (f"no complete checkpoint in --save-dir {tmp_path} yet: a rerun "
-                                 "starts from epoch 1")
+    hint = resume_hint(args, "trainer_state.json")
+    assert hint() == (f"no complete checkpoint in --save-dir {tmp_path} yet: a rerun starts from "
+                      "epoch 1")
     for epoch in (1, 2):
         (tmp_path / f"checkpoint-epoch-{epoch}").mkdir()
         (tmp_path / f"checkpoint-epoch-{epoch}" / "trainer_state.json").write_text("{}")
     (tmp_path / "checkpoint-epoch-3.tmp").mkdir()
-    assert resume_hint(args) == (f"the last complete checkpoint is epoch 2 ({tmp_path}/"
-                                 "checkpoint-epoch-2): run the same command with --resume auto to "
-                                 "resume")
+    assert hint() == (f"the last complete checkpoint is epoch 2 ({tmp_path}/checkpoint-epoch-2): "
+                      "run the same command with --resume auto to resume")
     args.checkpoint_type = "full"
-    assert resume_hint(args) == ("no resumable checkpoints (--checkpoint-type full): a rerun "
-                                 "starts from epoch 1")
+    assert resume_hint(args, "trainer_state.json")() == (
+        "no resumable checkpoints (--checkpoint-type full): a rerun starts from epoch 1")
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
-    from t5_fsdp_finetune import resume_target
+    from safeguards.t5_checks import resume_target, t5_folder
 
+    folder = t5_folder(str(tmp_path), "trainer_state.json")
     for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp",
                  "checkpoint-epoch-12"):
         (tmp_path / name).mkdir()
         if name != "checkpoint-epoch-12":  # no trainer_state.json: incomplete
             (tmp_path / name / "trainer_state.json").write_text("{}")
-    assert resume_target("auto", str(tmp_path)) == str(tmp_path / "checkpoint-epoch-10")
-    assert resume_target(str(tmp_path), None) == str(tmp_path / "checkpoint-epoch-10")
-    assert (resume_target(str(tmp_path / "checkpoint-epoch-2"), None)
+    assert resume_target("auto", folder) == str(tmp_path / "checkpoint-epoch-10")
+    assert resume_target(str(tmp_path), folder) == str(tmp_path / "checkpoint-epoch-10")
+    assert (resume_target(str(tmp_path / "checkpoint-epoch-2"), folder)
             == str(tmp_path / "checkpoint-epoch-2"))
-    assert resume_target(str(tmp_path / "checkpoint-epoch-12"), None) is None
+    assert resume_target(str(tmp_path / "checkpoint-epoch-12"), folder) is None
 
 
 def test_the_fixture_command_prints_no_progress_bar(tmp_path):

@@ -24,7 +24,8 @@ from conftest import (
 )
 
 sys.path.insert(0, str(REPO))
-from fsdp2_transformer import Transformer, memory_plan  # noqa: E402
+from fsdp2_transformer import Transformer, tensor_parallel_plan  # noqa: E402
+from safeguards.fsdp2_plan import memory_plan  # noqa: E402
 
 SCRIPT = "fsdp2_transformer.py"
 CONFIG = {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4, "seq_len": 16}  # TINY's sizes
@@ -248,7 +249,8 @@ def test_plan_counts_the_tensor_parallel_state(tp_reference, torchrun, tmp_path)
     with torch.device("meta"):
         model = Transformer(**CONFIG)
     for kind, checkpointed in (("plain", False), ("checkpointed", True)):
-        predicted = memory_plan(model, 2, 1, 8, 1, False, False, True, 1, checkpointed, tp=2)
+        predicted = memory_plan(model, 2, 1, 8, 1, False, False, True, 1, checkpointed, tp=2,
+                                tp_plan=tensor_parallel_plan())
         assert predicted["saved_for_backward_bytes"] == pytest.approx(saved[kind], rel=0.01)
 
 

@@ -75,8 +75,9 @@ def adamw_copy(folder, option):
     if len(lines) != 1:
         return None
     folder.mkdir()
-    for module in ("summarization_dataset.py", "safe_launch.py"):
-        shutil.copy(common.REPO / module, folder)
+    shutil.copy(common.REPO / "summarization_dataset.py", folder)
+    shutil.copytree(common.REPO / "safeguards", folder / "safeguards",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     changed = lines[0].replace('fused=device.type == "cuda"', f"{option}=True")
     (folder / "t5_fsdp_finetune.py").write_text(text.replace(lines[0], changed))
     return folder / "t5_fsdp_finetune.py"
