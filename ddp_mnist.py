@@ -196,11 +196,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def run(argv=None):
-    """Parse the flags and run main on every rank, however the job was started."""
-    launch(main, parse_args(argv), memory_advice=MEMORY_ADVICE,
+if __name__ == "__main__":  # main on every rank, however the job was started
+    launch(main, parse_args(), memory_advice=MEMORY_ADVICE, check=flag_problem,
            resume_hint="MNIST runs keep no checkpoint: a rerun starts from epoch 1")
-
-
-if __name__ == "__main__":
-    run()

@@ -387,7 +387,7 @@ class Checkpointer:
     background = ""  # the saved line's word on where it was written
 
     def __init__(self, folder, config, checkpoint_format="full", dcp_api=False):
-        self.folder, self.config = os.path.abspath(folder), config
+        self.folder, self.config = folder, config
         self.format, self.dcp_api = checkpoint_format, dcp_api
 
     def save(self, model, optimizer, step):
@@ -795,26 +795,18 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def run(argv=None):
-    """Parse the flags and run main on every rank: the commands of the docstring, srun, or a Ray
-    Train worker (README.md, 'On a cluster'). --plan prints each rank's memory, predicted from the
-    model on the meta device, and exits; --fault-tolerance started with python starts a
-    Lighthouse and every replica group."""
-    args = parse_args(argv)
+if __name__ == "__main__":
+    # main on every rank: the commands of the docstring, srun, or a Ray Train worker (README.md,
+    # 'On a cluster'). --plan: each rank's memory, predicted from the model on the meta device, no
+    # training; --fault-tolerance started with python: a Lighthouse and every replica group.
+    args = parse_args()
     if args.plan:
         plan_and_exit(args, Transformer, tensor_parallel_plan())
     if args.fault_tolerance and not {"RANK", "SLURM_STEP_NUM_TASKS"} & set(os.environ):
         launch_replica_groups(
-            __file__, sys.argv[1:] if argv is None else argv, groups=args.replica_groups,
-            world_size=args.world_size, cpu=args.cpu, min_replicas=args.min_replicas,
-            restarts=args.group_restarts, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            grace_s=args.dist_timeout, steps=args.steps, checkpoint_dir=args.checkpoint_dir,
-            metrics_json=args.metrics_json)
+            __file__, sys.argv[1:], groups=args.replica_groups, world_size=args.world_size,
+            cpu=args.cpu, min_replicas=args.min_replicas, restarts=args.group_restarts,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms, grace_s=args.dist_timeout,
+            steps=args.steps, checkpoint_dir=args.checkpoint_dir, metrics_json=args.metrics_json)
     launch(main, args, resume_hint=resume_hint(args.checkpoint_dir, MARKER),
-           memory_advice=MEMORY_ADVICE)
-
-
-if __name__ == "__main__":
-    run()
-
-
+           memory_advice=MEMORY_ADVICE, check=flag_problem)

@@ -68,35 +68,13 @@ from transformers import AutoConfig, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Block
 from transformers.utils import logging as hf_logging
 
-from safeguards.checkpoints import check_outputs, lock_folder
-from safeguards.describe import describe_fsdp1, describe_fsdp2
+from safeguards import checkpoints, describe, errors, workarounds
+from safeguards import t5_checks as checks
 from safeguards.epoch_log import EpochLog
-from safeguards.errors import (
-    agree_on_error,
-    errors_in_one_line,
-    stop_if_diverged,
-    stop_on_non_finite_gradients,
-)
 from safeguards.flags import RankZeroArgumentParser, add_plan_flags, add_run_flags, positive
 from safeguards.launch import launch, local_rank_zero_first
-from safeguards.t5_checks import (
-    DIVERGED,
-    MEMORY_ADVICE,
-    base_fingerprint,
-    base_problem,
-    checked_model,
-    epoch_saves,
-    find_resumable,
-    flag_problem,
-    lora_settings,
-    remove_unfinished_exports,
-    resume_hint,
-    safetensors_to_read,
-    sharding_choice,
-    t5_folder,
-)
+from safeguards.t5_checks import DIVERGED, MEMORY_ADVICE
 from safeguards.t5_plan import PLAN_HELP, plan_and_exit
-from safeguards.workarounds import offload_to_cpu, quiet_known_warnings, sharding_workarounds
 from summarization_dataset import ROUGE_INSTALL, ROUGE_KEYS, rouge_scores, wikihow
 
 
@@ -568,17 +546,17 @@ def load_sharded_checkpoint(path, model, optimizer, scheduler, scaler):
 
 
 class Checkpointer:
-    """After each epoch: the losses, the best model so far (lowest validation loss, or the last
-    epoch's) exported into folder (None: no saves), with sharded a resumable checkpoint there.
-    full_state_dict: exports gathered on rank 0 (cpu_offload: into its host memory), else written
-    from every rank's shards; record: what the trainer state also holds (the LoRA settings)."""
+    """The trainer state of the epochs (losses, the best model so far: the lowest validation loss,
+    or the last epoch's, or --best-metric's), the best model's export into folder (None: no
+    saves), and resumable sharded checkpoints. full_state_dict: exports gathered on rank 0
+    (cpu_offload: into its host memory), else written from every rank's shards; record: what the
+    trainer state also holds (the LoRA settings)."""
 
     def __init__(self, folder, model, optimizer, scheduler, scaler, tokenizer, *,
-                 full_state_dict=True, cpu_offload=True, sharded=False, best_by="val_loss",
-                 record=None):
+                 full_state_dict=True, cpu_offload=True, best_by="val_loss", record=None):
         self.folder, self.tokenizer = folder and os.path.abspath(folder), tokenizer
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.scaler, self.full_state_dict, self.sharded = scaler, full_state_dict, sharded
+        self.scaler, self.full_state_dict = scaler, full_state_dict
         self.cpu_offload = cpu_offload
         self.best_by = best_by  # val_loss, or a ROUGE score: rouge1, rouge2, rougeL, rougeLsum
         now = [datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")]
@@ -593,6 +571,8 @@ class Checkpointer:
                                              self.scaler)
 
     def epoch_done(self, epoch, train_loss, val_loss, last, rouge=None):
+        """Record the epoch; return where to export the model if it is the best so far (and there
+        is a folder), else None."""
         state, best = self.state, self.state["best_val_loss"]
         state["train_losses"].append(train_loss)
         state["val_losses"].append(val_loss)
@@ -604,41 +584,42 @@ class Checkpointer:
             state.update(best_val_loss=val_loss, best_rouge=(rouge or {}).get(self.best_by))
             rank0_print(f"-->>>> New Val Loss Record: {val_loss:.4f}" if self.best_by == "val_loss"
                         else f"-->>>> New {self.best_by} Record: {state['best_rouge']:.2f}")
-        if improved and self.folder:
-            name = f"{self.run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
-            state["best_checkpoint"] = os.path.join(self.folder, name)
-            self.export(state["best_checkpoint"])
-        if self.sharded:
-            state.update(epoch=epoch, scheduler=self.scheduler.state_dict(),
-                         scaler=self.scaler.state_dict() if self.scaler else None)
-            self.save(os.path.join(self.folder, f"checkpoint-epoch-{epoch}"))
+        state.update(epoch=epoch, scheduler=self.scheduler.state_dict(),
+                     scaler=self.scaler.state_dict() if self.scaler else None)
+        if not (improved and self.folder):
+            return None
+        name = f"{self.run_name}-{epoch}" + (f"-{val_loss:.4f}" if val_loss is not None else "")
+        state["best_checkpoint"] = os.path.join(self.folder, name)
+        return state["best_checkpoint"]
 
-    def export(self, path):  # gathered on rank 0, or from every rank's shards
+    def export(self, path):
+        """The model at path: gathered on rank 0, or written from every rank's shards."""
         if not self.full_state_dict:
             return export_shards(self.model, self.tokenizer, path)
         export_model(self.model, self.tokenizer, path, cpu_offload=self.cpu_offload)
 
-    def save(self, path):  # the sharded checkpoint
+    def save(self, path):
+        """A resumable sharded checkpoint at path (checkpoint-epoch-N)."""
         save_sharded_checkpoint(self.model, self.optimizer, self.state, path)
 
 
 # ------------------------------------------------------------------------------------------ main
 def main(args, device):
     # 0. The flags and inputs, checked before any work (one line from rank 0 if they cannot).
-    agree_on_error(flag_problem(args, device, dist.get_world_size(), TRAINER_STATE))
-    quiet_known_warnings()  # library warnings that say nothing a user can act on
+    errors.agree_on_error(checks.flag_problem(args, device, dist.get_world_size(), TRAINER_STATE))
+    workarounds.quiet_known_warnings()  # library warnings that say nothing a user can act on
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     torch.manual_seed(args.seed)
     sharded = args.save_model and args.checkpoint_type == "sharded"
-    folder = t5_folder(args.save_dir, TRAINER_STATE)  # --save-dir, as its safeguards name it
+    folder = checks.t5_folder(args.save_dir, TRAINER_STATE)  # --save-dir, as the checks name it
 
     # 1. The model (LoRA: with adapters), tokenizer and data; each node's rank 0 loads first.
     name, from_rank0 = os.path.expanduser(args.model_name), args.cpu_ram_efficient_loading
-    weights = safetensors_to_read(name) if from_rank0 and args.fsdp_version == 2 else None
+    weights = checks.safetensors_to_read(name) if from_rank0 and args.fsdp_version == 2 else None
     on_meta = bool(weights) or (from_rank0 and dist.get_rank() > 0)  # see wrap_model, shard_model
-    model, tokenizer = local_rank_zero_first(
-        lambda: checked_model(load_model_and_tokenizer, name, on_meta))  # one line if it fails
-    lora = lora_settings(args)  # add_lora's settings; None: full fine-tuning
+    model, tokenizer = local_rank_zero_first(  # a model that cannot serve: one line
+        lambda: checks.checked_model(load_model_and_tokenizer, name, on_meta))
+    lora = checks.lora_settings(args)  # add_lora's settings; None: full fine-tuning
     model = add_lora(model, **lora) if lora else model  # LoRA: adapters beside the frozen weights
     train_set, val_set = local_rank_zero_first(lambda: load_data(
         tokenizer, args.data_dir, args.input_length, args.output_length, args.num_train_samples,
@@ -651,9 +632,9 @@ def main(args, device):
     blocks = [*model.encoder.block, *model.decoder.block]  # (PEFT passes .encoder on)
     for block in blocks if args.compile else []:
         block.compile(dynamic=False)  # static: every batch padded to --input/--output-length
-    strategy, precision = sharding_choice(args, device)  # what this world and device allow
+    strategy, precision = checks.sharding_choice(args, device)  # what this world and device allow
     mesh = device_mesh(device, hybrid=strategy == "HYBRID_SHARD")
-    with sharding_workarounds(model, device, weights=weights, from_rank0=from_rank0):
+    with workarounds.sharding_workarounds(model, device, weights=weights, from_rank0=from_rank0):
         if args.fsdp_version == 1:
             model = wrap_model(model, mesh, device, sharding_strategy=strategy,
                                mixed_precision=POLICIES[precision],
@@ -661,13 +642,13 @@ def main(args, device):
                                limit_all_gathers=args.limit_all_gathers is not False,  # default on
                                activation_checkpointing=args.activation_checkpointing,
                                sync_module_states=from_rank0)
-            describe_fsdp1(model)
+            describe.describe_fsdp1(model)
         else:
             model = shard_model(model, mesh, device, sharding_strategy=strategy,
                                 mp_policy=POLICIES_FSDP2[precision],
                                 activation_checkpointing=args.activation_checkpointing,
                                 broadcast_from_rank0=from_rank0, weights=weights)
-            describe_fsdp2(model, blocks)
+            describe.describe_fsdp2(model, blocks)
     log = EpochLog(args, device).begin(model, train_loader, val_loader)  # the data, memory
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters);
@@ -676,7 +657,7 @@ def main(args, device):
     optimizer = optim.AdamW(trained, lr=args.lr, fused=device.type == "cuda")
     if lora and args.fsdp_version == 1:  # FSDP1 leaves the adapters whole (wrap_model)
         optimizer.register_step_pre_hook(lambda *_: average_gradients(trained))
-    stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
+    errors.stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     scaler = ShardedGradScaler(device=device.type) if precision == "fp16" else None
 
@@ -685,21 +666,21 @@ def main(args, device):
     checkpointer = Checkpointer(
         args.save_dir if args.save_model else None, model, optimizer, scheduler, scaler, tokenizer,
         full_state_dict=args.full_state_dict or args.fsdp_version == 1,  # FSDP2: from its shards
-        cpu_offload=offload_to_cpu(model), sharded=sharded, best_by=args.best_metric,
-        record={"lora": lora, "base": base_fingerprint(model)})  # what a resume must match
-    path = find_resumable(args.resume, folder)
+        cpu_offload=workarounds.offload_to_cpu(model), best_by=args.best_metric,
+        record={"lora": lora, "base": checks.base_fingerprint(model)})  # what a resume must match
+    path = checks.find_resumable(args.resume, folder)
     if path:
-        agree_on_error(base_problem(path, TRAINER_STATE, checkpointer.state["base"]))
-        with errors_in_one_line(f"--resume {path}: cannot load it", "it is corrupted, or was "
+        errors.agree_on_error(checks.base_problem(path, TRAINER_STATE, checkpointer.state["base"]))
+        with errors.in_one_line(f"--resume {path}: cannot load it", "it is corrupted, or was "
                                 "saved for another model", every_rank=True):
             checkpointer.load(path)
     # --save-dir writable (made only now: bad input leaves nothing behind; --rouge writes its
     # summaries there), and locked for this job where it holds resumable checkpoints.
-    check_outputs(args.metrics_json, {"--save-dir": folder.path if args.save_model or args.rouge
-                                      else None})
+    outputs = folder.path if args.save_model or args.rouge else None
+    checkpoints.check_outputs(args.metrics_json, {"--save-dir": outputs})
     if sharded:
-        lock_folder("--save-dir", folder.path)
-        remove_unfinished_exports(folder.path)
+        checkpoints.lock_folder("--save-dir", folder.path)
+        checks.remove_unfinished_exports(folder.path)
         if not args.resume and args.overwrite:  # (without it, flag_problem refused the folder)
             folder.overwrite()
 
@@ -725,12 +706,19 @@ def main(args, device):
         val_loss = validation(model, val_loader, device, max_tokens=args.max_tokens,
                               bar=log.bar) if val_loader else None
         if val_loss is not None:
-            stop_if_diverged("the validation loss", [torch.tensor(val_loss)], DIVERGED)
+            errors.stop_if_diverged("the validation loss", [torch.tensor(val_loss)], DIVERGED)
         scheduler.step()
         log.epoch_done(epoch, model, optimizer)  # its time, and memory
-        with epoch_saves(checkpointer, epoch, folder, advice=DIVERGED):  # space; one-line errors
-            checkpointer.epoch_done(epoch, train_loss, val_loss, last=epoch == args.epochs,
-                                    rouge=rouge)
+        best = checkpointer.epoch_done(epoch, train_loss, val_loss, last=epoch == args.epochs,
+                                       rouge=rouge)
+        # Each save checked: never a diverged model, free space, a failed write in one line.
+        if best:  # the best model so far: its full state dict and HF directory
+            with checks.checked_save(checkpointer, best, folder, DIVERGED):
+                checkpointer.export(best)
+        if sharded:  # every epoch, a checkpoint that --resume continues from
+            path = os.path.join(folder.path, f"checkpoint-epoch-{epoch}")
+            with checks.checked_save(checkpointer, path, folder, DIVERGED, sharded=True):
+                checkpointer.save(path)
 
     # 6. Report: throughput, time, memory, and the metrics file.
     log.done(model, optimizer, checkpointer, mixed_precision=precision)
@@ -844,17 +832,13 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def run(argv=None):
-    """Parse the flags and run main on every rank, however the job was started; under torchrun
-    --max-restarts with --resume auto, each restart resumes from the newest checkpoint. --plan
-    prints each rank's memory, predicted from the model's config alone, and exits."""
-    args = parse_args(argv)
+if __name__ == "__main__":
+    # main on every rank, however the job was started; under torchrun --max-restarts with
+    # --resume auto, each restart resumes from the newest checkpoint. --plan: each rank's memory,
+    # predicted from the model's config alone, no training.
+    args = parse_args()
     if args.plan:
         plan_and_exit(args, add_lora)
-    launch(main, args, resume_hint=resume_hint(args, TRAINER_STATE), memory_advice=MEMORY_ADVICE)
-
-
-if __name__ == "__main__":
-    run()
-
-
+    launch(main, args, resume_hint=checks.resume_hint(args, TRAINER_STATE),
+           memory_advice=MEMORY_ADVICE,
+           check=functools.partial(checks.flag_problem, marker=TRAINER_STATE))

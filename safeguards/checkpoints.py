@@ -1,6 +1,6 @@
-"""Checkpoint safety: outputs that can be written, a folder lock per job, an earlier run's
-checkpoints never mixed with this run's, free space checked before a save and a failed write said
-in one line, markers that fit the model, and the line that says where a rerun resumes."""
+"""Checkpoint safety: writable outputs, a folder lock per job, an earlier run's checkpoints never
+mixed with this run's, free space before a save, a failed write in one line, markers that fit the
+model, and where a rerun resumes."""
 import contextlib
 import dataclasses
 import errno
@@ -20,7 +20,7 @@ from .errors import agree_on_error, one_line, rank0_print, root_cause
 
 def output_problem(folders, files):
     """Why a {flag: folder} (made if missing) or a {flag: file} cannot be written, or None: a bad
-    path then fails in seconds, not at the first save. Called on rank 0 (check_outputs)."""
+    path fails in seconds, not at the first save."""
     for flag, path in files.items():
         if path and os.path.isdir(path):
             return f"{flag}: {path} is a folder; pass a file's path"
@@ -37,8 +37,7 @@ def output_problem(folders, files):
 
 
 def check_outputs(metrics_json, folders, files=None):
-    """Stop every rank in one line unless rank 0 can write into each {flag: folder} and each
-    {flag: file}, and --metrics-json (output_problem)."""
+    """Stop every rank unless rank 0 can write the folders, files and --metrics-json."""
     files = {**(files or {}), "--metrics-json": metrics_json}
     agree_on_error(output_problem(folders, files) if dist.get_rank() == 0 else None)
 
@@ -47,9 +46,8 @@ HELD_LOCKS = []  # the descriptors of the folders this process holds locked
 
 
 def lock_problem(flag, folder):
-    """Take an exclusive lock on folder, held until this process ends, so that a second job (a
-    double launch, a requeue) cannot write into it; the kernel releases a dead job's lock, so a
-    crash never leaves it stuck, and no file is written. Returns why it cannot, or None."""
+    """Lock folder until this process ends, so that a second job (a double launch, a requeue)
+    cannot write into it; the kernel frees a dead job's lock. Returns why it cannot, or None."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,7 +60,7 @@ def lock_problem(flag, folder):
 
 
 def lock_folder(flag, folder):
-    """Rank 0 locks folder for this job (lock_problem); another job's lock stops every rank."""
+    """Rank 0 locks folder for this job; another job's lock stops every rank."""
     agree_on_error(lock_problem(flag, folder) if dist.get_rank() == 0 else None)
 
 
@@ -73,9 +71,8 @@ def folder_number(path, prefix):
 
 
 def newest_complete(folder, prefix, marker):
-    """The checkpoint of folder to resume from, or None: the <prefix>N folder (fsdp2: step_000050,
-    T5: checkpoint-epoch-2) of the highest N that holds its marker file, written last. A save cut
-    short left a <prefix>N.tmp, or a folder without its marker: neither is complete."""
+    """The <prefix>N folder of the highest N that holds its marker file (written last), or None:
+    a save cut short left a <prefix>N.tmp, or a folder without its marker."""
     complete = [path for path in glob.glob(os.path.join(glob.escape(folder), f"{prefix}*"))
                 if folder_number(path, prefix) is not None
                 and os.path.isfile(os.path.join(path, marker))]
@@ -84,9 +81,8 @@ def newest_complete(folder, prefix, marker):
 
 @dataclasses.dataclass
 class Folder:
-    """A script's folder of checkpoints, as the safeguards name it to the user: path (absolute),
-    its flag, the checkpoints' prefix and marker, what they count (step, epoch) from first, and
-    how a rerun resumes."""
+    """A script's folder of checkpoints: its path, flag, the checkpoints' prefix and marker, what
+    they count (step, epoch) from first, and how a rerun resumes."""
     path: str
     flag: str
     prefix: str
@@ -96,7 +92,7 @@ class Folder:
     resume: str
 
     def rerun_resumes(self):
-        """Which checkpoint a rerun resumes from (said when a save fails or the run stops)."""
+        """Which checkpoint a rerun resumes from."""
         newest = newest_complete(self.path, self.prefix, self.marker)
         if newest is None:
             return (f"no complete checkpoint in {self.flag} {self.path} yet: a rerun starts from "
@@ -109,9 +105,8 @@ class Folder:
         return sorted(glob.glob(os.path.join(glob.escape(self.path), f"{self.prefix}*")))
 
     def earlier_run_problem(self, continue_it):
-        """Why a run that starts afresh must not write into the folder, or None: a later resume
-        would mix an earlier run's checkpoints with this run's (--overwrite deletes them, the
-        Hugging Face convention). continue_it: how to continue the earlier run instead."""
+        """Why a run that starts afresh must not write into the folder (a later resume would mix
+        the runs), or None; continue_it: how to continue the earlier run instead."""
         old = self.earlier()
         if not old:
             return None
@@ -130,8 +125,7 @@ class Folder:
             rank0_print(f"--overwrite: deleted {len(old)} checkpoint(s) of an earlier run")
 
     def resumable(self):
-        """The newest complete checkpoint as rank 0 finds it, on every rank (None: none), saying
-        which incomplete ones it ignores, or that it starts afresh."""
+        """The newest complete checkpoint as rank 0 finds it, on every rank, or None."""
         found = [None]
         if dist.get_rank() == 0:
             for path in self.earlier():
@@ -147,8 +141,8 @@ class Folder:
 
 
 def marker_problem(path, marker, config):
-    """Why the checkpoint at path cannot be resumed by this run, read from its marker (JSON, of
-    its folder's step and the model's sizes) alone, or None; config: this run's model sizes."""
+    """Why this run (config: its model's sizes) cannot resume the checkpoint at path, read from
+    its marker alone, or None."""
     redo = f"delete {path} to resume from the checkpoint before it, or pass --no-resume"
     try:
         with open(os.path.join(path, marker)) as f:
@@ -168,8 +162,7 @@ def marker_problem(path, marker, config):
 
 
 def loaded_state_problem(model, optimizer, path):
-    """Why the state a resume loaded does not fit the model, or None: every optimizer state tensor
-    must have its parameter's local shape (or be a 0-dim step count). Reads nothing from disk."""
+    """Why the optimizer state a resume loaded does not fit the parameters' shapes, or None."""
     for p in model.parameters():
         shape = p.to_local().shape if hasattr(p, "to_local") else p.shape
         for value in optimizer.state.get(p, {}).values():
@@ -181,8 +174,8 @@ def loaded_state_problem(model, optimizer, path):
 
 
 def space_problem(folder, needed, elsewhere):
-    """Why folder's filesystem cannot take `needed` more bytes (and 1 MiB to spare), or None.
-    elsewhere: how to save somewhere else ("pass another --checkpoint-dir")."""
+    """Why folder's disk cannot take `needed` more bytes (and 1 MiB to spare), or None;
+    elsewhere: how to save somewhere else."""
     free = shutil.disk_usage(folder).free
     if free >= needed + 2**20:
         return None
@@ -193,10 +186,9 @@ def space_problem(folder, needed, elsewhere):
 
 @contextlib.contextmanager
 def saving(prefixes, needed, elsewhere, sharded=False):
-    """Around a save to the paths that start with prefixes (`needed`: rank 0's bytes; sharded:
-    every rank's own shards): first the free space is checked (by rank 0; sharded, by each node's
-    local rank 0 for its ranks' bytes), then a failed write (a full disk, an I/O error) stops every
-    rank with one line, and the half-written prefix*.tmp are removed."""
+    """Around a save to paths that start with prefixes: the free space checked first (needed:
+    rank 0's bytes; sharded: each rank's, summed per node), then a failed write stops every rank
+    in one line and the half-written prefix*.tmp are removed."""
     if sharded:
         sizes, node = [None] * dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
         dist.all_gather_object(sizes, needed)
@@ -220,9 +212,8 @@ def saving(prefixes, needed, elsewhere, sharded=False):
 
 
 def write_problem(error, path, elsewhere):
-    """The one line of a failed write of path, or None if error is not one: an OSError (ENOSPC:
-    no space left), torch.save's RuntimeError (its zip writer's, which names no errno), or the
-    root cause of a DCP CheckpointException."""
+    """The line of a failed write of path (an OSError, torch.save's RuntimeError, a DCP
+    CheckpointException's cause), or None if error is not one."""
     cause = root_cause(error)
     text = re.sub(r"^\[enforce fail at [^]]*\][ .]*", "", " ".join(str(cause).split()))
     if not isinstance(cause, (OSError, RuntimeError)) or isinstance(

@@ -67,7 +67,7 @@ def root_cause(error):
 
 
 @contextlib.contextmanager
-def errors_in_one_line(what, advice, every_rank=False):
+def in_one_line(what, advice, every_rank=False):
     """An exception in the block becomes one line, '<what> (<its reason>); <advice>': a ValueError
     raised, or, with every_rank (all ranks run the block), a fail() on every rank if any failed."""
     error = None
@@ -114,7 +114,7 @@ def stop_on_non_finite_gradients(optimizer, advice):
     inf gradients are skipped before the hook)."""
     parameters, steps = [p for group in optimizer.param_groups for p in group["params"]], []
 
-    def check(optimizer, args, kwargs):
+    def check(optimizer, positional, keywords):
         steps.append(None)  # this one
         gradients = [p.grad for p in parameters if p.grad is not None]
         stop_if_diverged(f"a gradient of optimizer step {len(steps)}", gradients, advice)

@@ -31,12 +31,13 @@ from .report import RUN
 from .workarounds import end_cleanly
 
 
-def launch(main, args, resume_hint, memory_advice):
+def launch(main, args, *, resume_hint, memory_advice, check=None):
     """Run main(args, device) on every rank. Under torchrun, in this process; under srun without
     torchrun, in this process as the task SLURM made it; started with python, in --world-size
-    processes it spawns (default: one per GPU, or 2 on CPU) that meet on a free port of this
-    machine. resume_hint(), or a text: where a rerun resumes, said when a signal stops the run;
-    memory_advice: what the line that says memory ran out advises."""
+    processes it spawns (default: one per GPU, or 2 on CPU) that meet on a free port, once
+    check(args, device, world_size) (main's flag checks) found nothing: bad flags fail before
+    any process starts. resume_hint(), or a text: where a rerun resumes, said when a signal stops
+    the run; memory_advice: what the line that says memory ran out advises."""
     use_cuda = torch.cuda.is_available() and not args.cpu
     launcher, ending = "torchrun", (resume_hint, memory_advice)
     if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # a task of srun's
@@ -54,6 +55,9 @@ def launch(main, args, resume_hint, memory_advice):
     world_size = args.world_size or gpus or 2
     if world_size > gpus > 0:
         fail(f"--world-size {world_size} asks for more GPUs than the {gpus} present")
+    if check and (problem := check(args, torch.device("cuda:0" if use_cuda else "cpu"),
+                                   world_size)):
+        fail(problem)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

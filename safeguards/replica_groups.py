@@ -18,33 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import fail, rank0_print
-from .flags import positive
 from .launch import forward_signals
 from .workarounds import quiet_torchft
 
 TORCHFT = "torchft==0.2.0"  # the version tests/test_fault_tolerance.py passes with
-
-
-def add_fault_tolerance_flags(parser):
-    add = parser.add_argument_group("fault tolerance (torchft: an optional requirement, "
-                                    f"pip install {TORCHFT})").add_argument
-    add("--fault-tolerance", action="store_true", help="replica groups that fail and come back "
-        "while the others train on (torchft, --fault_tolerance.enable): each group is its own job, "
-        "sharding over its ranks; the groups average gradients like HSDP's replicas. Started with "
-        "python: a Lighthouse and --replica-groups torchrun jobs of --world-size ranks each; "
-        "under torchrun or srun: one group, with --replica-group and $TORCHFT_LIGHTHOUSE")
-    add("--replica-groups", type=positive(int), default=2, metavar="G", help="groups in the job: "
-        "group g reads the rows of HSDP's replica g (--fault_tolerance.group_size)")
-    add("--replica-group", type=positive(int, zero=True), metavar="I", help="this group, 0 to "
-        "G - 1, under torchrun or srun (--fault_tolerance.replica_id); every group needs the "
-        "same number of ranks: one heals from a live one's shards, rank by rank")
-    add("--min-replicas", type=positive(int), default=1, metavar="N", help="started with python: "
-        "the Lighthouse's quorum needs N live groups (1: train on while any lives)")
-    add("--group-restarts", type=positive(int, zero=True), default=3, metavar="N", help="started "
-        "with python: torchrun restarts a failed group up to N times (--max-restarts)")
-    add("--heartbeat-timeout-ms", type=positive(int), default=1000, metavar="MS", help="started "
-        "with python: the Lighthouse drops a group that sent no heartbeat for MS (its default "
-        "5000)")
 
 
 def import_torchft():

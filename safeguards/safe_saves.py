@@ -1,9 +1,6 @@
-"""The safeguards around fsdp2_transformer.py's Checkpointer and AsyncCheckpointer, which main
-applies where a reader sees them (SafeSaves): the folder writable and locked, an earlier run's
-checkpoints refused or deleted, a resume only from a checkpoint that fits the model, every save
-checked for free space, never of a diverged model, and in one line where it fails on any rank,
-its pause timed; asynchronous saves waited for with the ranks in step (a writer process that died
-leaves its peers waiting for ever), and their writer processes started before training."""
+"""The safeguards around fsdp2_transformer.py's checkpointers (SafeSaves): the folder locked, a
+resume only from a checkpoint that fits, no save of a diverged model or beyond the free space, a
+failure on any rank in one line, and asynchronous saves waited for with the ranks in step."""
 import contextlib
 import multiprocessing.resource_tracker
 import os
@@ -29,8 +26,8 @@ from .checkpoints import (
 from .errors import (
     agree_on_error,
     diverged,
-    errors_in_one_line,
     fail,
+    in_one_line,
     not_finite,
     one_line,
     rank0_print,
@@ -52,9 +49,10 @@ def fsdp2_folder(checkpoint_dir, marker):
 
 
 def resume_hint(checkpoint_dir, marker):
-    """What says where a rerun resumes (when Ctrl-C or SIGTERM stops the run): a function."""
+    """What says where a rerun resumes (when Ctrl-C or SIGTERM stops the run): a text, or the
+    function that finds it then."""
     if not checkpoint_dir:
-        return lambda: "no --checkpoint-dir: a rerun starts from step 0"
+        return "no --checkpoint-dir: a rerun starts from step 0"
     return fsdp2_folder(checkpoint_dir, marker).rerun_resumes
 
 
@@ -64,13 +62,10 @@ def checkpoint_figures(saves):
 
 
 class SafeSaves:
-    """The safeguards of one run's checkpointer (its folder, format, and for an asynchronous one
-    its process group and FiniteStager are read, never changed): made before the resume, it
-    checks and locks the folder (fresh: this run starts from step 0, where an earlier run's
-    checkpoints are refused unless overwrite deletes them), starts an asynchronous checkpointer's
-    writer processes and waits for its copies in the ranks' step. advice: what to try when the
-    model diverged. pauses: the seconds each save blocked training; waits: the part of them spent
-    waiting for the previous save's background write."""
+    """The safeguards of one run's checkpointer, whose attributes it reads and never changes.
+    It locks the folder, and where this run starts afresh (fresh) refuses an earlier run's
+    checkpoints unless overwrite deletes them. pauses: the seconds each save blocked training;
+    waits: the part of them spent waiting for the previous save's background write."""
 
     def __init__(self, checkpointer, model, optimizer, *, marker, fresh, overwrite, advice):
         self.checkpointer, self.model, self.optimizer = checkpointer, model, optimizer
@@ -85,13 +80,11 @@ class SafeSaves:
             self.folder.overwrite()
         if self.background:
             self.start_writers()
-            # Ahead of the checkpointer's own hook (registered at its first save): a copy that
-            # failed on any rank stops every rank, before the step changes the parameters.
+            # Ahead of the checkpointer's own hook (registered at its first save)
             optimizer.register_step_pre_hook(self.wait_for_copy)
 
     def resumable(self):
-        """The newest complete checkpoint, on every rank, once its marker is found to fit this
-        model; None: none, or a fresh start."""
+        """The newest complete checkpoint whose marker fits this model, or None."""
         path = None if self.fresh else self.folder.resumable()
         if path:
             agree_on_error(marker_problem(path, self.folder.marker, self.checkpointer.config)
@@ -100,19 +93,18 @@ class SafeSaves:
 
     @contextlib.contextmanager
     def reading(self, path):
-        """Around the resume from path: a read that fails on any rank stops every rank in one
-        line, as does a state that does not fit the model."""
-        with errors_in_one_line(f"cannot read checkpoint {path}", "delete it to resume from the "
-                                "checkpoint before it, or pass --no-resume", every_rank=True):
+        """Around the resume from path: a failed read, or a state that does not fit the model,
+        on any rank stops every rank in one line."""
+        with in_one_line(f"cannot read checkpoint {path}", "delete it to resume from the "
+                         "checkpoint before it, or pass --no-resume", every_rank=True):
             yield
         agree_on_error(loaded_state_problem(self.model, self.optimizer, path))
 
     @contextlib.contextmanager
     def saving(self, step):
-        """Around the save of step: the previous background write waited for (said when it took
-        long), never a diverged model (a background save checks with its copy: FiniteStager),
-        the free space checked, a failed write in one line on every rank (its .tmp removed),
-        SIGINT blocked for the threads and writer process the save starts; its pause timed."""
+        """Around the save of step: the previous background write waited for, no diverged model
+        (a background save checks with its copy), the free space checked, a failed write in one
+        line (its .tmp removed), SIGINT blocked for what the save starts; its pause timed."""
         started = time.perf_counter()
         self.wait_for_writes()
         self.waits.append(time.perf_counter() - started)
@@ -120,6 +112,8 @@ class SafeSaves:
             rank0_print(f"Waited {self.waits[-1]:.2f} s for the previous checkpoint's background "
                         "write: it takes longer than --save-every steps of training; save less "
                         "often, or to a faster disk")
+        ahead = getattr(self.checkpointer, "ahead", None)  # the first save copies into its memory
+        self.wait_in_step([ahead] if ahead is not None else [])
         if not self.background:
             stop_if_diverged("a parameter", list(self.model.parameters()), self.advice)
         self.path = os.path.join(self.folder.path, f"step_{step:06d}")
@@ -140,10 +134,8 @@ class SafeSaves:
                     f"{self.pauses[-1]:.2f} s")
 
     def wait_for_copy(self, *hook_args):
-        """The optimizer's step pre-hook (hook_args): the step after an asynchronous save waits for
-        its copy to host memory, which training waited for (the save's pause; not so at the end of
-        training); a copy that failed, or found the model diverged, on any rank stops every rank
-        in one line."""
+        """The optimizer's step pre-hook (hook_args): after an asynchronous save, wait for its copy
+        to host memory (a pause of the save's); a copy that failed on any rank stops every rank."""
         staging = getattr(self.checkpointer, "staging", None)
         if staging is None:
             return
@@ -167,17 +159,15 @@ class SafeSaves:
         return write_problem(error, self.path, ELSEWHERE) or f"{doing} ({one_line(error)})"
 
     def wait_for_writes(self):
-        """Wait for the previous asynchronous save's write and marking (and the first save for
-        stage_ahead's copy), the ranks in step (wait_in_step); that save is then complete."""
-        futures = [getattr(self.checkpointer, name, None) for name in ("ahead", "pending")]
-        self.wait_in_step([future for future in futures if future is not None])
-        if getattr(self.checkpointer, "pending", None) is not None:
+        """Wait in step for the previous asynchronous save's write: it is then complete."""
+        pending = getattr(self.checkpointer, "pending", None)
+        if pending is not None:
+            self.wait_in_step([pending])
             self.last = self.path
 
     def wait_in_step(self, futures):
-        """Wait for futures (a background copy, write and marking), the ranks in step: while one's
-        are under way they compare every 0.1 s whether any has failed (a writer that died leaves
-        its peers waiting for it for ever). A failure stops every rank in one line."""
+        """Wait for futures, the ranks comparing every 0.1 s whether any failed (a writer that died
+        leaves its peers waiting for ever); a failure stops every rank in one line."""
         while futures:
             finished, error = all(future.done() for future in futures), None
             for future in futures if finished else ():
@@ -192,17 +182,14 @@ class SafeSaves:
             time.sleep(0.1)
 
     def stop(self, error):
-        """Stop every rank (each calls this with the same error) in one line; rank 0 removes the
-        failed save's .tmp folder."""
+        """Stop every rank in one line; rank 0 removes the failed save's .tmp folder."""
         if dist.get_rank() == 0:
             shutil.rmtree(f"{self.path}.tmp", ignore_errors=True)
         fail(f"{error}; {self.folder.rerun_resumes()}")
 
     def start_writers(self):
-        """DCP starts each rank's writer process (a new Python, which imports torch and the script)
-        at its first save, and training would wait while it starts: a save of one number to a
-        throwaway folder starts them now, the ranks in step while they start, SIGINT blocked for
-        the writers; one that fails to start stops every rank in one line."""
+        """Start DCP's writer processes before training, not in its first save's pause: a save of
+        one number to a throwaway folder, the ranks in step; a failed start ends in one line."""
         # multiprocessing unblocks SIGINT in the thread that starts its resource tracker (Python
         # 3.11's ensure_running), which the writer's start would otherwise do inside
         # ctrl_c_for_training_only: started here, first.
@@ -222,16 +209,14 @@ class SafeSaves:
 
     @contextlib.contextmanager
     def finishing(self):
-        """Around the wait for the last save: in step, as wait_in_step (its copy included)."""
+        """Around the wait for the last save: the ranks in step, as wait_in_step."""
         self.wait_for_copy()
         self.wait_for_writes()
         yield
 
     def figures(self):
-        """What --metrics-json says of the saves: the last complete one, each save's pause and the
-        part of it spent waiting for the previous save's background write; asynchronous: each
-        copy's new shared memory (bytes), seconds (its check included) and tensors in newly
-        allocated host memory, stage_ahead's apart."""
+        """What --metrics-json says of the saves; asynchronous: each copy's new shared memory,
+        seconds and tensors in newly allocated host memory, stage_ahead's apart."""
         figures = {**NO_CHECKPOINTS, "checkpoint": self.last, "checkpoint_stall_s": self.pauses,
                    "checkpoint_wait_s": self.waits}
         if not self.background:
@@ -247,11 +232,8 @@ class SafeSaves:
 
 @contextlib.contextmanager
 def ctrl_c_for_training_only():
-    """The threads started inside (DCP's, for an asynchronous save), and the checkpoint writer
-    process they start, have SIGINT blocked: a Ctrl-C reaches the training process, which says
-    where a rerun resumes and ends its writer, never a writer, which would print a
-    KeyboardInterrupt traceback of each rank's. (The resource tracker must be running already:
-    SafeSaves.start_writers starts it.)"""
+    """SIGINT blocked for the threads started inside and the writer processes they start: a
+    Ctrl-C reaches the training process (one line), never a writer (a traceback per rank)."""
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
@@ -273,13 +255,9 @@ class NonFinite(ValueError):
 
 
 class FiniteStager(AsyncStager):
-    """An AsyncCheckpointer's stager (stager: the one it would use), after a check that no
-    parameter is NaN or infinite: a diverged model is never saved. The check reads every parameter
-    (on CPU as long as the copy does), so it runs in a thread of its own (on a GPU, on a stream
-    of its own) before the copy, off training's path; the next step's wait for the copy learns its
-    outcome (NonFinite). ahead: the first copy is AsyncCheckpointer.stage_ahead's, which it
-    reports. It counts each copy's seconds, new shared memory and tensors outside the first
-    copy's memory (held: no new allocation can get one of its addresses)."""
+    """An AsyncCheckpointer's stager that first checks, in a thread (on a GPU a stream) of its own,
+    off training's path, that no parameter is NaN or infinite: a diverged model is never saved.
+    ahead: the first copy is stage_ahead's. It counts each copy's seconds and memory."""
     _synchronize_after_execute = False  # stage() returns a future
 
     def __init__(self, stager, ahead=True):

@@ -4,7 +4,7 @@ before the hub is tried (its retries take 30 s), what --resume and --save-dir ho
 choices this world and device make (strategy, precision, where the weights are read from)."""
 import contextlib
 import glob
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -23,7 +23,7 @@ from summarization_dataset import DOWNLOAD_HELP, ROUGE_INSTALL, WikiHowError, ch
 
 from .checkpoints import Folder, folder_number, newest_complete, saving
 from .describe import fsdp1_full_bytes
-from .errors import agree_on_error, errors_in_one_line, one_line, rank0_print, stop_if_diverged
+from .errors import agree_on_error, in_one_line, one_line, rank0_print, stop_if_diverged
 from .flags import compile_problem, fsdp1_strategy
 from .report import nbytes, tensors_in
 
@@ -42,10 +42,10 @@ def t5_folder(save_dir, marker):
 
 
 def resume_hint(args, marker):
-    """What says where a rerun resumes (when Ctrl-C or SIGTERM stops the run): a function."""
+    """What says where a rerun resumes (when Ctrl-C or SIGTERM stops the run): a text, or the
+    function that finds it then."""
     if not (args.save_model and args.checkpoint_type == "sharded"):
-        return lambda: ("no resumable checkpoints (--checkpoint-type full): a rerun starts from "
-                        "epoch 1")
+        return "no resumable checkpoints (--checkpoint-type full): a rerun starts from epoch 1"
     return t5_folder(args.save_dir, marker).rerun_resumes
 
 
@@ -135,8 +135,12 @@ def rouge_problem(args):
     if args.rouge and not args.run_validation:
         return ("--rouge scores summaries of the validation articles; --no-run-validation turns "
                 "validation off")
-    if args.rouge and importlib.util.find_spec("rouge_score") is None:
-        return f"--rouge needs the rouge_score package, which is not installed: {ROUGE_INSTALL}"
+    if args.rouge:
+        try:
+            importlib.import_module("rouge_score")
+        except ImportError:
+            return (f"--rouge needs the rouge_score package, which is not installed: "
+                    f"{ROUGE_INSTALL}")
     needs_rouge = [flag for flag, value, default in (
         ("--num-beams", args.num_beams, 1), ("--generation-max-length",
                                              args.generation_max_length, None),
@@ -274,7 +278,7 @@ def checked_model(load, name, on_meta):
     which would train quietly wrong, refused."""
     where = (f"the directory {name}" if os.path.isdir(name)
              else f"{name!r} (no such directory; tried the hub)")
-    with errors_in_one_line(f"cannot load a T5 model and tokenizer from {where}", "pass "
+    with in_one_line(f"cannot load a T5 model and tokenizer from {where}", "pass "
                             "--model-name with a save_pretrained directory, or a hub id on a "
                             "machine with network"):
         model, tokenizer = load(name, on_meta)
@@ -378,26 +382,20 @@ def find_resumable(resume, folder):
 
 
 @contextlib.contextmanager
-def epoch_saves(checkpointer, epoch, folder, advice):
-    """Around an epoch's saves into folder (the best model's export, a sharded checkpoint): never
-    a diverged model, the free space checked (rank 0's export: the full state, twice; every rank's
-    shards), a failed write in one line on every rank (its .tmp files removed), with where a rerun
-    resumes. Nothing to check where the run saves nothing (its folder None)."""
-    if checkpointer.folder is None:
-        yield
-        return
-    model, optimizer = checkpointer.model, checkpointer.optimizer
+def checked_save(checkpointer, path, folder, advice, sharded=False):
+    """Around a save to path (the best model's export; sharded: a resumable checkpoint): never a
+    diverged model, the free space checked, a failed write in one line on every rank (its .tmp
+    removed; sharded: with where a rerun resumes)."""
+    model = checkpointer.model
     stop_if_diverged("a parameter", list(model.parameters()), advice)
-    full = (fsdp1_full_bytes(model) if isinstance(model, FSDP)
-            else nbytes(tensors_in(list(model.parameters()), local=False)))
-    needed = 2 * full if dist.get_rank() == 0 else 0
-    if checkpointer.sharded:  # what this rank writes: its shards of what trains, the optimizer's
+    if sharded:  # each rank writes its shards of what trains and of the optimizer state
         trained = [p for p in model.parameters() if p.requires_grad]
-        needed += nbytes(tensors_in([trained, list(optimizer.state.values())]))
-    prefixes = [os.path.join(folder.path, f"{checkpointer.run_name}-{epoch}"),
-                os.path.join(folder.path, f"{PREFIX}{epoch}")]
-    resumes = f"; {folder.rerun_resumes()}" if checkpointer.sharded else ""
-    with saving(prefixes, needed, ELSEWHERE + resumes, sharded=True):
+        needed = nbytes(tensors_in([trained, list(checkpointer.optimizer.state.values())]))
+    else:  # rank 0 writes the full state dict twice: the .pt and the HF files
+        needed = 2 * (fsdp1_full_bytes(model) if isinstance(model, FSDP)
+                      else nbytes(tensors_in(list(model.parameters()), local=False)))
+    resumes = f"; {folder.rerun_resumes()}" if sharded else ""
+    with saving([path], needed, ELSEWHERE + resumes, sharded=sharded):
         yield
 
 

@@ -1,7 +1,7 @@
 """Each lesson unit runs when copied alone: a reader who copies a piece (the sharding function, the
 step, the checkpointer, the export) gets working code. For each script, the units a driver uses
-are cut out of the lesson with the lesson's imports and the one helper a unit may use
-(rank0_print), and nothing below the Safeguards fence; a 2-rank gloo job under torchrun then does
+are cut out of it with its imports but the safeguards package's and the one helper a unit may use
+(rank0_print); a 2-rank gloo job under torchrun then does
 a small real thing with them: a step whose loss is finite, a save then a load that round-trips
 bit-identically, an export that from_pretrained opens. A unit that calls a safeguard fails here
 with a NameError (the last test shows it). And a whole script copied with the safeguards package,
@@ -15,17 +15,17 @@ import pytest
 import torch
 from conftest import MNIST_TINY, REPO, torchrun_command
 
-FENCE = "# " + "=" * 98 + "\n"
-
 
 def lesson_copy(script, units, text=None):
-    """The source of a new file holding the lesson's imports, rank0_print, and the units named
-    with the lesson's definitions they use (what a reader copies along), in the script's order."""
-    text = text or (REPO / script).read_text()
-    lesson = text[:text.index(FENCE + "# Safeguards")]
+    """The source of a new file holding the script's imports (not the safeguards package's),
+    rank0_print, and the units named with the definitions they use (what a reader copies along),
+    in the script's order."""
+    lesson = text or (REPO / script).read_text()
     lines = lesson.splitlines(keepends=True)
     imports, definitions = [], {}
     for node in ast.parse(lesson).body:
+        if isinstance(node, ast.ImportFrom) and node.module.startswith("safeguards"):
+            continue
         start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else (
             node.lineno)
         source = "".join(lines[start - 1:node.end_lineno])
@@ -300,10 +300,10 @@ def test_t5_units_run_copied_alone(version, model):
 
 
 def test_a_unit_that_calls_a_safeguard_does_not_run_copied():
-    """The check above catches what it is for: train_step made to call a safeguard (describe_fsdp)
+    """The check above catches what it is for: train_step made to call a safeguard (describe_fsdp2)
     fails in its copy, where the safeguards are not."""
     run = copy_run("fsdp2, train_step calling a safeguard")
-    assert run.returncode != 0 and "NameError: name 'describe_fsdp' is not defined" in run.output
+    assert run.returncode != 0 and "NameError: name 'describe_fsdp2' is not defined" in run.output
 
 
 # A whole script copied with the safeguards package into an empty folder: what the README tells a
@@ -366,7 +366,7 @@ def copy_commands(folder, fixture):
         text = (REPO / "fsdp2_transformer.py").read_text()
         step = "    optimizer.zero_grad()\n"
         assert step in text
-        return fsdp2(text=text.replace(step, step + "    describe_fsdp(model)\n", 1))
+        return fsdp2(text=text.replace(step, step + "    describe_fsdp2(model, model.layers)\n", 1))
 
     def whole(script, *args, launcher="python"):
         shutil.copy(REPO / script, folder)

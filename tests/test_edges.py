@@ -231,7 +231,8 @@ def test_fsdp2_interrupted(tmp_path, launcher, signum, to_group):
     command = (torchrun_command("fsdp2_transformer.py", args, 2) if launcher == "torchrun" else
                [sys.executable, REPO / "fsdp2_transformer.py", *args, "--world-size", 2])
     status, stdout, stderr, in_group = interrupt_after(start(tmp_path, command), tmp_path,
-                                                       "step_000006", signum, to_group)
+                                                       "Saved checkpoint ckpt/step_000006",
+                                                       signum, to_group)
     assert in_group == []
     lines = [line for line in stderr.splitlines() if INTERRUPTED.search(line)]
     assert len(lines) == 1, stderr

@@ -311,8 +311,9 @@ def test_a_model_made_non_finite_by_the_last_step_is_never_saved(tmp_path, optio
 
 def test_a_full_checkpoint_is_on_the_disk_before_its_marker(tmp_path):
     """Each save fsyncs model.pt and optimizer.pt before it writes the COMPLETE marker, then the
-    marker and the folder that holds the rename: a power cut never leaves a marker without its
-    data. (A copy of the script logs every fsync; torch.save makes none of its own.)"""
+    marker before the rename, then the folder that holds the rename: a power cut never leaves a
+    marker without its data. (A copy of the script logs every fsync; torch.save makes none of its
+    own.)"""
     script = script_with_lines(SCRIPT, tmp_path, "import os\n", (
         "def fsync_logged(fd, fsync=os.fsync):\n"
         "    with open('fsync.log', 'a') as log:\n"
@@ -326,7 +327,7 @@ def test_a_full_checkpoint_is_on_the_disk_before_its_marker(tmp_path):
     assert (tmp_path / "fsync.log").read_text().split() == [
         str(path) for step in (1, 2) for path in (
             *(ckpt / f"step_{step:06d}.tmp" / name for name in ("model.pt", "optimizer.pt")),
-            ckpt / f"step_{step:06d}" / "COMPLETE", ckpt)]
+            ckpt / f"step_{step:06d}.tmp" / "COMPLETE", ckpt)]
 
 
 def test_log_every_sets_the_printed_steps(fsdp2_reference):
@@ -392,5 +393,5 @@ def test_the_summary_is_the_steady_state(fsdp2_reference):
     line = next(line for line in fsdp2_reference.stdout.splitlines() if line.startswith("Trained"))
     assert f"{metrics['tokens_per_s']:,.0f} tokens/s in the steady state" in line
     assert "the first 1 step(s) and checkpoint pauses left out" in line
-    assert re.search(r"Saved checkpoint \S+step_000010, training paused \d+\.\d\d s",
+    assert re.search(r"Checkpoint step_000010: training paused \d+\.\d\d s",
                      fsdp2_reference.stdout)

@@ -1,7 +1,7 @@
-"""The scripts read as lessons: the lesson first, then its safeguards; what the four share is in
-one module, safe_launch.py, which imports no script and which each script hands what it needs as
-values; no block of code is written twice; and the README stays short and names only flags that
-exist."""
+"""The scripts read as their lessons and the safeguards live in one package beside them: the
+package imports no script, no class outside a script subclasses one of the script's classes, each
+lesson unit copies alone, no block of code is written twice, and each file stays within its
+ceiling; the README stays short and names only flags that exist."""
 import ast
 import io
 import json
@@ -21,70 +21,13 @@ LESSONS = {
     "fsdp2_transformer.py": ("Transformer", "shard_model", "train_step"),
     "t5_fsdp_finetune.py": ("load_model_and_tokenizer", "wrap_model", "train"),
 }
-MODULE = "safe_launch.py"
-SAFEGUARDS = "# " + "=" * 98 + "\n# Safeguards"
-# Lines before the Safeguards fence (docstring and imports included): the lesson must not grow back
-# under the checks that protect it. fsdp2's is 120 above its first 450. Its Checkpointer holds the
-# whole plain recipe (temporary name, marker, rename), which the safeguards' subclasses extend,
-# where it used to call a folder class of the safeguards (30); the background writer's process,
-# its shared-memory staging, the optimizer-step hook that waits for the copy and the marking of a
-# written save, now an AsyncCheckpointer built on the synchronous Checkpointer (35; start_writers,
-# a start-up optimization, moved to the safeguards' CheckedAsyncCheckpointer). Tensor parallel
-# (--tp-degree, issue 42; 55): tensor_parallel_plan (22) and its imports (14), the (dp, tp) mesh
-# and the model built in main, which shard_model takes with the plan and fully_shard's policies as
-# values (15), loss_parallel in train_step (3), q, k and v as three linears (1).
-# T5's is 60 above its 460 (issue 41): LoRA (add_lora, the adapters' FSDP1 units, exports of the
-# adapters and of the merged model, checkpoints of what trains, 5 flags), the mesh that main passes
-# (device_mesh), FSDP1's meta-device param_init_fn (materialize_on) and the
-# loaders (rank_loader), which keep main as short as before LoRA. And 40 more (issue 43, its whole
-# allowance): FSDP2's ranks read their shards of the pretrained weights from its safetensors
-# (hf_state, load_pretrained_shards with the LoRA adapters' initialization, and their imports).
-# And 51 beyond issue 43's allowance, flagged in its note for its filer to allow or refuse: FSDP2
-# exports shard by shard (export_shards with its files of a quarter of the model, hf_state's LoRA
-# merge, --full-state-dict, imports).
-# Issue 48 (the plumbing moved to safe_launch.py) raised none: each lesson now holds rank0_print
-# (6 lines, its one helper, which used to be in the Plumbing); T5's main took its step 5 apart
-# into the lesson's Checkpointer, and the lesson stayed at 611.
-# fsdp2's packed documents (--pack-documents, issue 49 item 2; 49 lines, 566 -> 615, within its
-# allowance of 50): packed_batch (28), the positions, the document mask and the note on
-# flex_attention in the model (5), the loss over real tokens in train_step (9), the task chosen in
-# main (3), --pack-documents and --pad-documents (4).
-# fsdp2's fault-tolerant replica groups (--fault-tolerance, issue 50; 66 lines, 615 -> 681, 26
-# beyond its allowance of 40, flagged in its note for its filer to allow or refuse):
-# fault_tolerant (31: the Manager, its state dict functions for a heal, the all-reduce hook, the
-# reasons for a synchronous quorum), manager_steps (7), main's step 5 (10), the rows of group g
-# and the batches built when due (5), the commit check and step in the loop (5), imports (2),
-# the flags' line (1), the renumbered steps; then set_sharded_state (+6, the pair of
-# sharded_state, which Checkpointer.load and a heal now share: -5 there) and the process group's
-# timeout (+3: NCCL aborts a collective with a dead group after it, not after torchft's 60 s).
-# T5's exports are named by rank 0's clock, broadcast (+2, 659 -> 661): each rank named them by its
-# own, and ranks a second apart wrote their shards of one export into two folders (seen in the
-# suite under load, test_hf_io's export with 47 of its tensors wrong).
-# fsdp2's --float8 (issue 51 item 3, which sets no allowance; 34 lines, 681 -> 715):
-# convert_to_float8 (torchao's layers, the recipes' configurations, the output layer left out:
-# 16), float8_scales_after_step (the scales of the float8 all-gather in one all-reduce after each
-# optimizer step: 9), main's conversion before compile and the hook (5), the flag (5).
-# T5's FSDP1 LoRA adapters whole on every rank (issue 51 item 1; 22 lines, 661 -> 683): FSDP1 made
-# each adapter a unit of its own (LoRA at 0.45x of full fine-tuning's speed); now wrap_model's
-# ignored_states with the reason (8), the adapters moved and broadcast (4), average_gradients, one
-# all-reduce of their gradients (10), main's hook for it (3), less the old policy's lines (-3).
-# T5's summaries judged (issue 61, which allows 40; 67 lines, 683 -> 750, 27 beyond, flagged in
-# its note for its filer to allow or refuse): generate_summaries (21: generate on every rank in
-# lock-step, gathered once, each article once) and ready_to_generate (16: the whole model copied
-# once per rank, or the root's parameters gathered for a generate that bypasses the root's hooks),
-# plain_model shared with export_model (+5),
-# main's step 5 (12: generate, score, log), the Checkpointer's best by ROUGE (7), a flags line (1).
-# Issue 60 (40 a lesson) so far: fsdp2's AsyncCheckpointer.stage_ahead, the saves' host memory
-# allocated beside the first steps, not in the first save's pause (12, with its attribute),
-# wait_ahead, which the first save calls (6: inside the save, so that its pause counts the wait and
-# its wait for a previous write does not), main's call (2): 715 -> 735. T5's --compile: each
-# block compiled before sharding (3), generate_summaries eager (2: a compiled block would compile
-# anew for every cache length), the flag (2), the optimizer fused on CUDA (1, its comment):
-# 750 -> 758.
-BUDGETS = {"fsdp2_transformer.py": 735, "t5_fsdp_finetune.py": 758, "fsdp1_mnist.py": 250,
-           "ddp_mnist.py": 200}
-# The API calls a reader comes for: each must be in the lesson's code (not only in a comment, and
-# not only in the safeguards).
+PACKAGE = REPO / "safeguards"
+MODULES = sorted(PACKAGE.glob("*.py"))
+# The most lines a file may hold: a script is its recipe, a module of the package one concern.
+CEILINGS = {"fsdp2_transformer.py": 850, "t5_fsdp_finetune.py": 850, "fsdp1_mnist.py": 260,
+            "ddp_mnist.py": 220}
+MODULE_CEILING = 400
+# The API calls a reader comes for: each must be in the script's code (not only in a comment).
 ESSENTIAL = {
     "fsdp2_transformer.py": [
         "fully_shard(", "MixedPrecisionPolicy(", "CPUOffloadPolicy(",
@@ -111,29 +54,6 @@ ESSENTIAL = {
 }
 
 
-def top_level(source):
-    """{name: source text} of the top-level functions, classes and assignments in source."""
-    lines, found = source.splitlines(keepends=True), {}
-    for node in ast.parse(source).body:
-        start = (node.decorator_list[0].lineno if getattr(node, "decorator_list", None)
-                 else node.lineno)
-        text = "".join(lines[start - 1:node.end_lineno])
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            found[node.name] = text
-        elif isinstance(node, ast.Assign):
-            found.update((target.id, text) for target in node.targets
-                         if isinstance(target, ast.Name))
-    return found
-
-
-def parts(script):
-    """(lesson, safeguards) source text: before the Safeguards fence, and from it to the end (the
-    planner and the launch included)."""
-    text = (REPO / script).read_text()
-    assert text.count(SAFEGUARDS) == 1, f"{script} has no single fenced Safeguards block"
-    return text[:text.index(SAFEGUARDS)], text[text.index(SAFEGUARDS):]
-
-
 def code_only(source):
     """source without its comments and string literals (docstrings included)."""
     kept = [token.string for token in tokenize.generate_tokens(io.StringIO(source).readline)
@@ -141,34 +61,76 @@ def code_only(source):
     return " ".join(kept).replace(" . ", ".").replace(" (", "(").replace(". ", ".")
 
 
-def definitions(source):
-    return [node for node in ast.parse(source).body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+def definitions(tree):
+    return [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
 
 
-def imported(path):
-    """The top-level modules that path's import statements name."""
+def imports(tree):
+    """The modules a module's import statements name (a relative one as ".name")."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
     return names
 
 
-def test_the_module_imports_no_script_and_each_script_imports_it():
-    """No import circle: safe_launch.py imports none of the scripts (they hand it their main,
-    checks, resume hint and memory advice as values), each script imports it and no other script
-    (T5 also its dataset module), and each runs it: run() hands launch its Script."""
-    ours = {path.stem for path in REPO.glob("*.py")}
-    assert imported(REPO / MODULE) & ours == set()
+def parsed(path):
+    return ast.parse(path.read_text())
+
+
+def support_names(tree):
+    """The names a script imports from the safeguards package."""
+    return {alias.asname or alias.name for node in tree.body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("safeguards")
+            for alias in node.names}
+
+
+def test_the_package_imports_no_script_and_each_script_imports_only_it():
+    """No import circle: no module of the safeguards package imports a script (a script hands it
+    values: its main, its model class, its checkpointer); each script imports the package and no
+    other script (T5 also its dataset module)."""
+    scripts = {path.stem for path in REPO.glob("*.py")} - {"summarization_dataset"}
+    for module in MODULES:
+        named = {name.split(".")[0] for name in imports(parsed(module))}
+        assert named & scripts == set(), f"{module.name} imports {named & scripts}"
     for script in LESSONS:
-        beside = imported(REPO / script) & ours
-        assert beside == {"safe_launch"} | ({"summarization_dataset"} if "t5" in script else set())
-        text = (REPO / script).read_text()
-        assert text.rstrip().endswith('if __name__ == "__main__":\n    run()'), script
-        assert re.search(r"launch\((parse_args\(argv\)|args), Script\(", text), script
+        ours = {name.split(".")[0] for name in imports(parsed(REPO / script))} & (
+            scripts | {"safeguards", "summarization_dataset"})
+        assert ours == {"safeguards"} | ({"summarization_dataset"} if "t5" in script else set())
+
+
+def classes_subclassing(tree, names):
+    """The classes of tree whose bases name one of names (directly, or as module.name)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = {getattr(base, "id", None) or getattr(base, "attr", None)
+                     for base in node.bases}
+            found += [f"{node.name}({', '.join(sorted(bases & names))})"] if bases & names else []
+    return found
+
+
+def test_no_class_of_a_script_is_subclassed_outside_it():
+    """The lesson's classes are the ones that run, as their code says: nothing in the package, the
+    other scripts or the benchmarks subclasses one (a subclass that overrides a Checkpointer's
+    methods would change the lesson behind the reader's back)."""
+    outside = [*MODULES, *REPO.glob("*.py"), *REPO.glob("benchmarks/**/*.py")]
+    for script in LESSONS:
+        classes = {node.name for node in definitions(parsed(REPO / script))
+                   if isinstance(node, ast.ClassDef)}
+        for path in outside:
+            tree = parsed(path)
+            own = {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+            if path.name != script:  # (a class of the same name there is that file's own)
+                assert classes_subclassing(tree, classes - own) == [], (script, path.name)
+
+
+def test_a_subclass_outside_the_script_is_caught():
+    """The check above fails where it should: a package class built on a lesson's Checkpointer."""
+    tree = ast.parse("class CheckedCheckpointer(script.Checkpointer):\n    pass\n")
+    assert classes_subclassing(tree, {"Checkpointer"}) == ["CheckedCheckpointer(Checkpointer)"]
 
 
 def six_line_blocks(path, skip=None):
@@ -176,12 +138,12 @@ def six_line_blocks(path, skip=None):
     brackets alone and import statements left out): its first line number}; skip(line number)
     leaves a line out too."""
     blocks, kept, text = {}, [], path.read_text()
-    imports = {number for node in ast.parse(text).body if isinstance(node, (ast.Import,
-               ast.ImportFrom)) for number in range(node.lineno, node.end_lineno + 1)}
+    imported = {number for node in ast.parse(text).body if isinstance(node, (ast.Import,
+                ast.ImportFrom)) for number in range(node.lineno, node.end_lineno + 1)}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if line and not line.startswith("#") and re.search(r"\w", line) and not (
-                number in imports or skip and skip(number)):
+                number in imported or skip and skip(number)):
             kept.append((number, line))
     for i in range(len(kept) - 5):
         blocks.setdefault("\n".join(line for _, line in kept[i:i + 6]), kept[i][0])
@@ -189,65 +151,153 @@ def six_line_blocks(path, skip=None):
 
 
 def test_no_block_of_six_lines_is_written_twice():
-    """What several files need is said once, in safe_launch.py: no run of six code lines stands in
-    two of the four scripts and the module (the names each imports from it aside). One exception,
-    by design: the two MNIST lessons are
-    the same program but for the wrapping (ddp_mnist.py is the baseline fsdp1_mnist.py is compared
-    with), and each is copied alone; their Safeguards share nothing."""
-    def mnist_lesson(script):
-        text = (REPO / script).read_text()
-        end = text[:text.index(SAFEGUARDS)].count("\n") + 1
-        return lambda number: number <= end
-
-    files = [MODULE, *LESSONS]
-    blocks = {name: six_line_blocks(REPO / name, skip=mnist_lesson(name) if "mnist" in name
-                                    else None) for name in files}
+    """What several files need is said once, in one module of the package: no run of six code
+    lines stands in two of the scripts and the package's modules (the names each imports aside).
+    One exception, by design: the two MNIST scripts are the same program but for the wrapping
+    (ddp_mnist.py is the baseline fsdp1_mnist.py is compared with), and each is copied alone."""
+    files = [*(REPO / script for script in LESSONS), *MODULES]
+    blocks = {path: six_line_blocks(path) for path in files}
     shared = []
     for i, a in enumerate(files):
         for b in files[i + 1:]:
-            shared += [f"{a}:{blocks[a][text]} = {b}:{blocks[b][text]}"
+            if {a.name, b.name} == {"fsdp1_mnist.py", "ddp_mnist.py"}:
+                continue
+            shared += [f"{a.name}:{blocks[a][text]} = {b.name}:{blocks[b][text]}"
                        for text in blocks[a].keys() & blocks[b].keys()]
     assert shared == [], shared
 
 
-# fsdp1_mnist.py's save needs two of FSDP1's helpers more than DDP's: the full state's size
-# (full_state_bytes, from FSDP1's private flat parameters) and offload_to_cpu (torch 2.11).
-MAIN_REACH = {"fsdp1_mnist.py": 11}
-
-
-def test_main_names_few_safeguards_and_no_lesson_reads_what_a_safeguard_sets():
-    """main reads as the recipe: it names at most 10 definitions that are not the lesson's (the
-    safeguards', the planner's, safe_launch's; MAIN_REACH), and nothing writes onto args (a
-    lesson that read an attribute set by a check would run only where the check ran first)."""
-    for script in LESSONS:
-        text = (REPO / script).read_text()
-        tree, lesson = ast.parse(text), parts(script)[0]
-        own = {node.name for node in definitions(lesson)} | {
-            target.id for node in ast.parse(lesson).body if isinstance(node, ast.Assign)
-            for target in node.targets if isinstance(target, ast.Name)}
-        below = set(top_level(text)) - own
-        below |= {alias.asname or alias.name for node in tree.body
-                  if isinstance(node, ast.ImportFrom) and node.module == "safe_launch"
-                  for alias in node.names}
-        main = next(node for node in definitions(lesson) if node.name == "main")
-        named = sorted({n.id for n in ast.walk(main) if isinstance(n, ast.Name)} & below)
-        assert len(named) <= MAIN_REACH.get(script, 10), f"{script}'s main names {named}"
-        written = sorted({f"args.{n.attr}" for n in ast.walk(tree)
+def test_nothing_writes_onto_args():
+    """A lesson that read an attribute set by a check would run only where the check ran first."""
+    for path in [*(REPO / script for script in LESSONS), *MODULES]:
+        written = sorted({f"args.{n.attr}" for n in ast.walk(parsed(path))
                           if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
                           and getattr(n.value, "id", "") == "args"})
-        assert written == [], f"{script} writes {written}"
+        assert written == [], f"{path.name} writes {written}"
+
+
+@pytest.mark.parametrize("path", [*(REPO / script for script in LESSONS), *MODULES],
+                         ids=lambda path: path.name)
+def test_every_definition_is_used(path):
+    """No dead code: each top-level definition of a script is named somewhere else in it; each of
+    the package's, in the package or in a script."""
+    def named_in(tree, skip=()):
+        names = set()
+        for node in tree.body:
+            defined = {node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else set()
+            if node in skip:
+                continue
+            names |= {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                      if isinstance(n, (ast.Name, ast.Attribute))} - defined
+        return names
+
+    tree = parsed(path)
+    named = named_in(tree)
+    if path.parent == PACKAGE:
+        for other in [*MODULES, *(REPO / script for script in LESSONS)]:
+            if other != path:
+                named |= named_in(parsed(other)) | {alias.name for node in ast.walk(parsed(other))
+                                                    if isinstance(node, ast.ImportFrom)
+                                                    for alias in node.names}
+    defined = {node.name for node in definitions(tree)} | {
+        target.id for node in tree.body if isinstance(node, ast.Assign)
+        for target in node.targets if isinstance(target, ast.Name)}
+    assert sorted(defined - named) == [], f"{path.name}: defined but never used"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_each_lesson_unit_copies_with_at_most_rank0_print(script):
+    """What ../shared/tools/copy_closure.py measures: following the names each top-level
+    definition uses, transitively, none reaches a name the script imports from the safeguards
+    package (main and parse_args apply and declare them); rank0_print is the lesson's own."""
+    tree = parsed(REPO / script)
+    nodes = {node.name: node for node in definitions(tree)}
+    nodes.update({target.id: node for node in tree.body if isinstance(node, ast.Assign)
+                  for target in node.targets if isinstance(target, ast.Name)})
+    support = support_names(tree)
+
+    def names(node):
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+    for unit in set(nodes) - {"main", "parse_args"}:
+        seen, todo = set(), names(nodes[unit])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo |= names(nodes[name]) if name in nodes else set()
+        assert sorted(seen & support) == [], f"{script}: {unit} needs {sorted(seen & support)}"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_the_recipe_reads_top_to_bottom(script):
+    """Docstring (naming the wrapping function), imports, model/data, the wrap, the step, main and
+    argparse, in that order, within the script's ceiling."""
+    text = (REPO / script).read_text()
+    tree = ast.parse(text)
+    model, wrap, step = LESSONS[script]
+    assert f"{wrap}()" in ast.get_docstring(tree), (
+        "the docstring must say where the FSDP/DDP part is")
+    assert text.count("\n") <= CEILINGS[script], f"{script} has {text.count(chr(10))} lines"
+    lines = {node.name: node.lineno for node in definitions(tree)}
+    order = [lines[name] for name in (model, wrap, step, "main", "parse_args")]
+    assert order == sorted(order) and max(lines.values()) == lines["parse_args"], order
+    first = min(lines.values())
+    assert first == lines[model] or first < lines[wrap], "helpers come before the model"
+    assert all(len(line) <= 100 for line in text.splitlines())
+    assert text.rstrip().splitlines()[-1].startswith("    launch(") or "launch(main," in text
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda path: path.name)
+def test_each_module_of_the_package_holds_one_concern(module):
+    """At most 400 lines, and a docstring that says what it holds."""
+    text = module.read_text()
+    assert text.count("\n") <= MODULE_CEILING and ast.get_docstring(ast.parse(text)), module.name
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_the_essential_calls_are_in_the_script(script):
+    code = code_only((REPO / script).read_text())
+    missing = [call for call in ESSENTIAL[script] if call not in code]
+    assert missing == [], f"{script}: {missing} are not in its code"
+
+
+def takers_of_args(tree, allowed):
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and not allowed(node.name)
+            and "args" in [a.arg for a in node.args.args + node.args.kwonlyargs]]
+
+
+def test_functions_take_the_values_they_use():
+    """In a script only main and parse_args take `args`; in the package, only the checks of the
+    flags (*_problem), the choices they make, --plan's entry and the resume line's."""
+    for script in LESSONS:
+        assert takers_of_args(parsed(REPO / script), {"main", "parse_args"}.__contains__) == []
+    entries = {"plan_and_exit", "plan_sizes", "resume_hint", "lora_settings", "sharding_choice"}
+    for module in MODULES:
+        taken = takers_of_args(parsed(module),
+                               lambda name: name.endswith("problem") or name in entries)
+        assert taken == [], f"{module.name}: {taken} take args; pass them the values they use"
+
+
+@pytest.mark.parametrize("script", list(LESSONS))
+def test_help_groups_the_flags(script):
+    """parse_args() puts its flags in named groups (model, data, FSDP, checkpointing, run...): its
+    own, and the package's add_run_flags()."""
+    parse_args = next(node for node in definitions(parsed(REPO / script))
+                      if node.name == "parse_args")
+    groups = [node for node in ast.walk(parse_args) if isinstance(node, ast.Call) and (
+        getattr(node.func, "attr", None) == "add_argument_group"
+        or getattr(node.func, "id", None) == "add_run_flags")]
+    assert len(groups) >= 3, f"{script}: {len(groups)} argument groups"
 
 
 def test_both_checkpointing_scripts_resume_from_the_same_kind_of_folder(tmp_path):
     """fsdp2's step_N/COMPLETE (torchtitan's) and T5's checkpoint-epoch-N/trainer_state.json (HF
-    Trainer's) are found by one shared newest_complete: the highest N whose marker is there, not
-    a .tmp (a save cut short, even with its marker) nor a folder without its marker."""
-    import safe_launch
+    Trainer's) are found by one newest_complete: the highest N whose marker is there, not a .tmp
+    (a save cut short, even with its marker) nor a folder without its marker."""
+    from safeguards.checkpoints import newest_complete
 
-    import fsdp2_transformer
-    import t5_fsdp_finetune
-
-    assert fsdp2_transformer.newest_complete is t5_fsdp_finetune.newest_complete
     for prefix, marker in [("step_", "COMPLETE"), ("checkpoint-epoch-", "trainer_state.json")]:
         folder = tmp_path / prefix
         for name, complete in [("2", True), ("10", True), ("9", True), ("11.tmp", True),
@@ -255,124 +305,8 @@ def test_both_checkpointing_scripts_resume_from_the_same_kind_of_folder(tmp_path
             (folder / f"{prefix}{name}").mkdir(parents=True)
             if complete:
                 (folder / f"{prefix}{name}" / marker).write_text("{}")
-        found = safe_launch.newest_complete(str(folder), prefix, marker)
-        assert found == str(folder / f"{prefix}10")
-        assert safe_launch.newest_complete(str(tmp_path / "none"), prefix, marker) is None
-
-
-@pytest.mark.parametrize("script", [*LESSONS, MODULE])
-def test_every_definition_is_used(script):
-    """No dead code: each top-level definition of a script is named somewhere else in it (run hands
-    launch main, check_flags and resume_hint, and MEMORY_ADVICE); each of the module's is named in
-    it or in a script."""
-    text = (REPO / script).read_text()
-    tree = ast.parse(text)
-    named = {}
-    for node in tree.body:
-        defined = set(top_level(ast.unparse(node)) or ())
-        for inner in ast.walk(node):
-            name = (inner.id if isinstance(inner, ast.Name) else
-                    inner.attr if isinstance(inner, ast.Attribute) else None)
-            if name and name not in defined:
-                named[name] = named.get(name, 0) + 1
-    if script == MODULE:
-        for other in LESSONS:
-            named.update(dict.fromkeys(imported_names(REPO / other), 1))
-    unused = sorted(name for name in top_level(text) if name not in named)
-    assert unused == [], f"{script}: {unused} are defined but never used"
-
-
-def imported_names(path):
-    """The names path imports from safe_launch."""
-    return {alias.name for node in ast.parse(path.read_text()).body
-            if isinstance(node, ast.ImportFrom) and node.module == "safe_launch"
-            for alias in node.names}
-
-
-@pytest.mark.parametrize("script", list(LESSONS))
-def test_each_lesson_unit_copies_with_at_most_rank0_print(script):
-    """What ../shared/tools/copy_closure.py measures: following the names each top-level
-    definition of the lesson uses, transitively, the only definition below the Safeguards fence
-    it reaches is rank0_print, the one helper a unit may use."""
-    text = (REPO / script).read_text()
-    fence_line = text[:text.index(SAFEGUARDS)].count("\n") + 1
-    nodes = {}
-    for node in ast.parse(text).body:
-        for name in top_level(ast.unparse(node)):
-            nodes[name] = node
-
-    def names(node):
-        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & set(nodes)
-
-    for unit, node in nodes.items():
-        if node.lineno > fence_line or unit in ("main", "parse_args") or isinstance(
-                node, ast.Assign):
-            continue
-        seen, todo = set(), names(node) - {unit}
-        while todo:
-            name = todo.pop()
-            if name not in seen:
-                seen.add(name)
-                todo |= names(nodes[name]) - {unit}
-        below = sorted(name for name in seen if nodes[name].lineno > fence_line)
-        assert below in ([], ["rank0_print"]), f"{script}: {unit} needs {below}"
-
-
-@pytest.mark.parametrize("script", list(LESSONS))
-def test_the_lesson_comes_first(script):
-    """Docstring (naming the wrapping function), imports, model/data, the wrap, the step, main and
-    argparse, in that order, within the lesson's budget; then Safeguards."""
-    text = (REPO / script).read_text()
-    lesson, safeguards = parts(script)
-    tree = ast.parse(text)
-    model, wrap, step = LESSONS[script]
-    assert f"{wrap}()" in ast.get_docstring(tree), (
-        "the docstring must say where the FSDP/DDP part is")
-    lesson_lines = lesson.count("\n")
-    assert lesson_lines <= BUDGETS[script], f"the lesson has {lesson_lines} lines"
-    lines = {node.name: node.lineno for node in tree.body
-             if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    order = [lines[name] for name in (model, wrap, step, "main", "parse_args")]
-    assert order == sorted(order) and order[-1] < lesson_lines, order
-    first = min(lines.values())
-    assert first == lines[model] or first < lines[wrap], "plumbing or helpers come before the model"
-    assert all(len(line) <= 100 for line in text.splitlines())
-
-
-@pytest.mark.parametrize("script", list(LESSONS))
-def test_the_essential_calls_are_in_the_lesson(script):
-    code = code_only(parts(script)[0])
-    missing = [call for call in ESSENTIAL[script] if call not in code]
-    assert missing == [], f"{script}: {missing} are not in the lesson's code"
-
-
-@pytest.mark.parametrize("script", list(LESSONS))
-def test_functions_take_the_values_they_use(script):
-    """Only main, parse_args and the safeguards that check flags (check_*) take `args`, and
-    resume_hint(args), which the plumbing calls when Ctrl-C stops a run, and exit_if_plan(args),
-    the planner's entry (--plan)."""
-    lesson, safeguards = parts(script)
-    takers = []
-    for part, allowed in ((lesson, lambda name: name in ("main", "parse_args")),
-                          (safeguards, lambda name: name.startswith("check")
-                           or name in ("resume_hint", "exit_if_plan"))):
-        for node in ast.walk(ast.parse(part)):
-            if isinstance(node, ast.FunctionDef) and not allowed(node.name):
-                if "args" in [a.arg for a in node.args.args + node.args.kwonlyargs]:
-                    takers.append(node.name)
-    assert takers == [], f"{script}: {takers} take args; pass them the values they use"
-
-
-@pytest.mark.parametrize("script", list(LESSONS))
-def test_help_groups_the_flags(script):
-    """parse_args() puts its flags in named groups (model, data, FSDP, checkpointing, run...): its
-    own, and safe_launch's add_run_flags()."""
-    lesson = parts(script)[0]
-    parse_args = next(node for node in definitions(lesson) if node.name == "parse_args")
-    groups = [node for node in ast.walk(parse_args) if isinstance(node, ast.Call) and (
-        getattr(node.func, "attr", None) == "add_argument_group"
-        or getattr(node.func, "id", None) == "add_run_flags")]
-    assert len(groups) >= 3, f"{script}: {len(groups)} argument groups"
+        assert newest_complete(str(folder), prefix, marker) == str(folder / f"{prefix}10")
+        assert newest_complete(str(tmp_path / "none"), prefix, marker) is None
 
 
 def test_the_smoke_tier_covers_every_script(tmp_path):
@@ -462,7 +396,7 @@ def test_the_readme_sections_the_code_cites_exist():
                          .splitlines() if line.startswith("#")}
                 for readme in ("README.md", "benchmarks/README.md")}
     cited = {}
-    for path in [*REPO.glob("*.py"), *REPO.glob("benchmarks/*.py")]:
+    for path in [*REPO.glob("*.py"), *PACKAGE.glob("*.py"), *REPO.glob("benchmarks/*.py")]:
         for readme, section in re.findall(r"((?:benchmarks/)?README\.md), [\"']([^\"']+)[\"']",
                                           " ".join(path.read_text().split())):
             cited.setdefault((readme, section), []).append(path.name)

@@ -268,18 +268,20 @@ def test_seed_and_batch_sizes_take_effect(t5_reference, t5_run):
 
 # What FSDP built, as the script reads it from the wrapped model: the reference run's defaults, and
 # the options of each fp32 parity run. 5 units: the root and 2 encoder + 2 decoder T5Blocks.
-REFERENCE_BUILT = ("FSDP built 5 units: FULL_SHARD, backward prefetch BACKWARD_PRE, "
-                   "limit_all_gathers True, mixed precision param None reduce None "
-                   "buffer None (None: not cast), activation checkpointing of 0 T5Blocks")
+REFERENCE_BUILT = ("FSDP built 5 units: FULL_SHARD, backward prefetch BACKWARD_PRE, CPU offload "
+                   "False, use_orig_params False, limit_all_gathers True, mixed precision param "
+                   "None reduce None buffer None (None: not cast), activation checkpointing of 0 "
+                   "blocks")
 OPTIONS_BUILT = {
     ("--sharding-strategy SHARD_GRAD_OP --backward-prefetch BACKWARD_POST "
      "--activation-checkpointing"):
-        "SHARD_GRAD_OP, backward prefetch BACKWARD_POST, limit_all_gathers True, "
-        "mixed precision param None reduce None buffer None (None: not cast), "
-        "activation checkpointing of 4 T5Blocks",
+        "SHARD_GRAD_OP, backward prefetch BACKWARD_POST, CPU offload False, use_orig_params "
+        "False, limit_all_gathers True, mixed precision param None reduce None buffer None (None: "
+        "not cast), activation checkpointing of 4 blocks",
     "--sharding-strategy NO_SHARD --backward-prefetch NONE --no-limit-all-gathers":
-        "NO_SHARD, backward prefetch NONE, limit_all_gathers False, mixed precision param None "
-        "reduce None buffer None (None: not cast), activation checkpointing of 0 T5Blocks",
+        "NO_SHARD, backward prefetch NONE, CPU offload False, use_orig_params False, "
+        "limit_all_gathers False, mixed precision param None reduce None buffer None (None: not "
+        "cast), activation checkpointing of 0 blocks",
 }
 
 
@@ -508,7 +510,7 @@ def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
     assert hint() == (f"the last complete checkpoint is epoch 2 ({tmp_path}/checkpoint-epoch-2): "
                       "run the same command with --resume auto to resume")
     args.checkpoint_type = "full"
-    assert resume_hint(args, "trainer_state.json")() == (
+    assert resume_hint(args, "trainer_state.json") == (
         "no resumable checkpoints (--checkpoint-type full): a rerun starts from epoch 1")
 
 
@@ -667,10 +669,15 @@ def test_reduced_precision_on_one_gpu(torchrun, wikihow_dir, tiny_t5_dir):
 V2 = ["--fsdp-version", 2]
 
 
-def fsdp2_built(reshard, checkpointed=0):
-    return (f"FSDP2 sharded 5 groups on a (2,) mesh: reshard_after_forward {reshard}, mixed "
-            f"precision param None reduce None (None: not cast), activation checkpointing of "
-            f"{checkpointed} T5Blocks")
+def fsdp2_built(run, reshard, checkpointed=0):
+    """Whether the run printed FSDP2's groups as built: 5 groups, fp32, the blocks resharded after
+    forward (reshard) or not, checkpointed of the 4 blocks recomputed in backward."""
+    lines = run.stdout.splitlines()
+    return ("FSDP2 sharded 5 groups on a (2,) mesh: mixed precision param None reduce None (None: "
+            "not cast)" in lines and "Blocks compiled: 0 of 4 (torch.compile, in place); "
+            f"activation checkpointing: {checkpointed} of 4" in lines
+            and any(line.startswith("  FSDP unit encoder.block.0: ") and
+                    f"reshard after forward {reshard}," in line for line in lines))
 
 
 # The equality runs use the script's default --lr 0.002: at T5_TINY's 0.01, Adam grows the last
@@ -711,7 +718,7 @@ def test_fsdp2_trains_exactly_as_fsdp1(t5_run, tiny_t5_dir, wikihow_dir):
     validation loss of FSDP1's run within 1e-5, no warning; its best model exports as FSDP1's does
     (the .pt and the HF directory hold the same weights, which give the logged loss)."""
     fsdp1, run = (strategy_run(t5_run, "FULL_SHARD", version) for version in (1, 2))
-    assert fsdp2_built(True) in run.stdout.splitlines(), run.stdout
+    assert fsdp2_built(run, True), run.stdout
     assert warning_lines(run.output) == []
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)
@@ -723,7 +730,7 @@ def test_fsdp2_shard_grad_op_keeps_the_parameters_to_backward(t5_run):
     """SHARD_GRAD_OP is reshard_after_forward=False, read from the sharded model; with activation
     checkpointing, the losses of FSDP1's SHARD_GRAD_OP run within 1e-5."""
     fsdp1, run = (strategy_run(t5_run, "SHARD_GRAD_OP", version) for version in (1, 2))
-    assert fsdp2_built(False, checkpointed=4) in run.stdout.splitlines(), run.stdout
+    assert fsdp2_built(run, False, checkpointed=4), run.stdout
     assert warning_lines(run.output) == []
     for key in ("train_losses", "val_losses"):
         assert run.metrics[key] == pytest.approx(fsdp1.metrics[key], rel=1e-5)
