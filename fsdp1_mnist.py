@@ -189,7 +189,7 @@ def main(args, device):
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
     stop_on_non_finite_gradients(optimizer, DIVERGED)  # a diverged run stops at once
     # 5. Train and test, epoch by epoch.
-    report, train_losses = Report(args, device), []
+    report, train_losses = Report(args.metrics_json, device), []
     for epoch in range(1, args.epochs + 1):
         train_losses.append(train(model, device, train_loader, optimizer, epoch, args.dry_run))
         test_loss, accuracy = test(model, device, test_loader, args.dry_run)

@@ -70,10 +70,10 @@ from safeguards.errors import LockStep, agree_on_error
 from safeguards.flags import RankZeroArgumentParser, add_plan_flags, add_run_flags, positive
 from safeguards.fsdp2_checks import DIVERGED, MEMORY_ADVICE, flag_problem, sharding_problem
 from safeguards.fsdp2_plan import PLAN_HELP, plan_and_exit
+from safeguards.fsdp2_saves import FiniteStager, SafeSaves, resume_hint
 from safeguards.launch import launch
 from safeguards.replica_groups import TORCHFT, ReplicaGroups, launch_replica_groups
 from safeguards.report import Report
-from safeguards.safe_saves import FiniteStager, SafeSaves, resume_hint
 from safeguards.step_log import StepLog
 from safeguards.workarounds import quiet_known_warnings
 
@@ -679,7 +679,7 @@ def main(args, device):
         batches = ((step, make_batch(step)) for step in manager_steps(manager, args.steps))
 
     # 7. Train; every --save-every steps and at the last, save.
-    log = StepLog(Report(args, device), model, steps=steps, log_every=args.log_every,
+    log = StepLog(Report(args.metrics_json, device), model, steps=steps, log_every=args.log_every,
                   tokens_per_step=args.batch_size * args.seq_len, bf16=args.mixed_precision,
                   warmup=1 + args.compile, advice=DIVERGED)
     in_step = LockStep(args.dist_timeout)  # ranks out of step fail in one line, not hang

@@ -68,7 +68,7 @@ from transformers import AutoConfig, T5ForConditionalGeneration, T5Tokenizer
 from transformers.models.t5.modeling_t5 import T5Block
 from transformers.utils import logging as hf_logging
 
-from safeguards import checkpoints, describe, errors, workarounds
+from safeguards import checkpoints, describe, errors, t5_saves, workarounds
 from safeguards import t5_checks as checks
 from safeguards.epoch_log import EpochLog
 from safeguards.flags import RankZeroArgumentParser, add_plan_flags, add_run_flags, positive
@@ -611,7 +611,7 @@ def main(args, device):
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
     torch.manual_seed(args.seed)
     sharded = args.save_model and args.checkpoint_type == "sharded"
-    folder = checks.t5_folder(args.save_dir, TRAINER_STATE)  # --save-dir, as the checks name it
+    folder = t5_saves.t5_folder(args.save_dir, TRAINER_STATE)  # --save-dir, as the checks name it
 
     # 1. The model (LoRA: with adapters), tokenizer and data; each node's rank 0 loads first.
     name, from_rank0 = os.path.expanduser(args.model_name), args.cpu_ram_efficient_loading
@@ -642,14 +642,19 @@ def main(args, device):
                                limit_all_gathers=args.limit_all_gathers is not False,  # default on
                                activation_checkpointing=args.activation_checkpointing,
                                sync_module_states=from_rank0)
-            describe.describe_fsdp1(model)
         else:
             model = shard_model(model, mesh, device, sharding_strategy=strategy,
                                 mp_policy=POLICIES_FSDP2[precision],
                                 activation_checkpointing=args.activation_checkpointing,
                                 broadcast_from_rank0=from_rank0, weights=weights)
-            describe.describe_fsdp2(model, blocks)
-    log = EpochLog(args, device).begin(model, train_loader, val_loader)  # the data, memory
+    log = EpochLog(args.metrics_json, device, save_dir=args.save_dir, rouge=args.rouge,
+                   compile=args.compile, track_memory=args.track_memory,
+                   dist_timeout=args.dist_timeout, max_tokens=args.max_tokens)
+    log.begin(model, train_loader, val_loader)  # the data, memory after loading
+    if args.fsdp_version == 1:  # what FSDP built, read from the model
+        describe.describe_fsdp1(model)
+    else:
+        describe.describe_fsdp2(model, blocks)
 
     # 3. The optimizer after wrapping, over this rank's shards of what trains (LoRA: the adapters);
     #    fused on CUDA: one kernel steps every tensor.
@@ -667,10 +672,11 @@ def main(args, device):
         args.save_dir if args.save_model else None, model, optimizer, scheduler, scaler, tokenizer,
         full_state_dict=args.full_state_dict or args.fsdp_version == 1,  # FSDP2: from its shards
         cpu_offload=workarounds.offload_to_cpu(model), best_by=args.best_metric,
-        record={"lora": lora, "base": checks.base_fingerprint(model)})  # what a resume must match
-    path = checks.find_resumable(args.resume, folder)
+        record={"lora": lora, "base": t5_saves.base_fingerprint(model)})  # what a resume must match
+    path = t5_saves.find_resumable(args.resume, folder)
     if path:
-        errors.agree_on_error(checks.base_problem(path, TRAINER_STATE, checkpointer.state["base"]))
+        base = checkpointer.state["base"]  # LoRA: the frozen base it is trained on
+        errors.agree_on_error(t5_saves.base_problem(path, TRAINER_STATE, base))
         with errors.in_one_line(f"--resume {path}: cannot load it", "it is corrupted, or was "
                                 "saved for another model", every_rank=True):
             checkpointer.load(path)
@@ -680,7 +686,7 @@ def main(args, device):
     checkpoints.check_outputs(args.metrics_json, {"--save-dir": outputs})
     if sharded:
         checkpoints.lock_folder("--save-dir", folder.path)
-        checks.remove_unfinished_exports(folder.path)
+        t5_saves.remove_unfinished_exports(folder.path)
         if not args.resume and args.overwrite:  # (without it, flag_problem refused the folder)
             folder.overwrite()
 
@@ -713,15 +719,15 @@ def main(args, device):
                                        rouge=rouge)
         # Each save checked: never a diverged model, free space, a failed write in one line.
         if best:  # the best model so far: its full state dict and HF directory
-            with checks.checked_save(checkpointer, best, folder, DIVERGED):
+            with t5_saves.checked_save(checkpointer, best, folder, DIVERGED):
                 checkpointer.export(best)
         if sharded:  # every epoch, a checkpoint that --resume continues from
             path = os.path.join(folder.path, f"checkpoint-epoch-{epoch}")
-            with checks.checked_save(checkpointer, path, folder, DIVERGED, sharded=True):
+            with t5_saves.checked_save(checkpointer, path, folder, DIVERGED, sharded=True):
                 checkpointer.save(path)
 
     # 6. Report: throughput, time, memory, and the metrics file.
-    log.done(model, optimizer, checkpointer, mixed_precision=precision)
+    log.done(model, optimizer, checkpointer, mixed_precision=precision, sharding_strategy=strategy)
 
 
 def parse_args(argv=None):
@@ -839,6 +845,6 @@ if __name__ == "__main__":
     args = parse_args()
     if args.plan:
         plan_and_exit(args, add_lora)
-    launch(main, args, resume_hint=checks.resume_hint(args, TRAINER_STATE),
+    launch(main, args, resume_hint=t5_saves.resume_hint(args, TRAINER_STATE),
            memory_advice=MEMORY_ADVICE,
            check=functools.partial(checks.flag_problem, marker=TRAINER_STATE))

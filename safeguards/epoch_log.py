@@ -14,22 +14,29 @@ from .report import Report, progress_bar
 
 
 class EpochLog(Report):
-    """The plumbing's Report (time, memory, --metrics-json) with this script's lines: what FSDP
-    built and each rank's memory once loaded; each epoch's time (training alone, then with
-    validation) and, with --track-memory, the ranks' peak memory; at the end samples/s and the
-    summary. Its bar is train's and validation's progress bar."""
+    """The run's Report with t5_fsdp_finetune.py's lines: each rank's memory once loaded, each
+    epoch's time (training alone, then with validation) and, with track_memory, peak memory; at
+    the end samples/s and the summary. Its bar is train's and validation's progress bar, which
+    keeps the ranks in step (LockStep; with max_tokens, in each forward too)."""
+
+    def __init__(self, metrics_json, device, *, save_dir, rouge, compile, track_memory,
+                 dist_timeout, max_tokens):
+        super().__init__(metrics_json, device)
+        self.save_dir, self.rouge, self.compile = os.path.abspath(save_dir), rouge, compile
+        self.track_memory, self.dist_timeout, self.max_tokens = (track_memory, dist_timeout,
+                                                                 max_tokens)
 
     def begin(self, model, train_loader, val_loader):
         """Print the sizes of the data and each rank's peak memory so far: what loading and
         wrapping the model cost it. Returns the log."""
         self.train_loader, self.val_loader = train_loader, val_loader
         self.train_times, self.epoch_times, self.generated, self.graphs = [], [], [], []
-        if self.args.rouge:  # nltk (2 s, with scipy) imported now, not in epoch 1's ROUGE time
+        if self.rouge:  # nltk (2 s, with scipy) imported now, not in epoch 1's ROUGE time
             importlib.import_module("rouge_score.rouge_scorer")
         # bar's: ranks kept in step; with --max-tokens also in each step's forwards (a rank's count
         # varies there), which costs a check-in each.
-        self.lock_step = LockStep(self.args.dist_timeout,
-                                  model=model if self.args.max_tokens else None)
+        self.lock_step = LockStep(self.dist_timeout,
+                                  model=model if self.max_tokens else None)
         rank0_print(f"Size of train dataset: {len(train_loader.dataset)}, validation dataset: "
                     f"{len(val_loader.dataset) if val_loader else 'none (--no-run-validation)'}")
         self.memory(model)
@@ -44,12 +51,12 @@ class EpochLog(Report):
     def epoch_done(self, epoch, model, optimizer):
         self.epoch_times.append(self.train_times[-1] + self.lap())
         rank0_print(f"Epoch {epoch} time: {self.epoch_times[-1]:.2f}s")
-        if self.args.compile:  # those of the first epoch (training, validation); later, none
+        if self.compile:  # those of the first epoch (training, validation); later, none
             self.graphs.append(compiled_graphs() - sum(self.graphs))
             rank0_print(f"Graphs compiled in epoch {epoch}: {self.graphs[-1]}"
                         + (" (a recompile: a new shape or mode)" if epoch > 1 and self.graphs[-1]
                            else ""))
-        if self.args.track_memory:
+        if self.track_memory:
             kind = "CUDA allocated" if self.device.type == "cuda" else "process RSS"
             rank0_print(f"Peak memory per rank ({kind}): "
                         f"{self.memory(model, optimizer)[1] / 2**20:.1f} MiB")
@@ -65,7 +72,7 @@ class EpochLog(Report):
         for (title, text, _), reference, summary in zip(articles[:3], references, summaries):
             rank0_print(f"  {title}: {text[:120]}...\n    reference: {reference}\n"
                         f"    generated: {summary}")
-        path = os.path.join(os.path.abspath(self.args.save_dir),
+        path = os.path.join(self.save_dir,
                             f"{run_name}-{epoch}-predictions.jsonl")
         self.generated.append({"epoch": epoch, **rouge, "seconds": seconds, "predictions": path,
                                "seconds_per_summary": seconds / len(summaries)})
@@ -85,7 +92,9 @@ class EpochLog(Report):
             yield number
             self.lap()  # the saves' time, not the next epoch's
 
-    def done(self, model, optimizer, checkpointer, mixed_precision):
+    def done(self, model, optimizer, checkpointer, mixed_precision, sharding_strategy):
+        """samples/s, time and memory, and --metrics-json, with what the run chose (its precision,
+        strategy) and the trainer state."""
         train_loader, val_loader = self.train_loader, self.val_loader
         samples = len(train_loader.sampler) * dist.get_world_size() * len(self.train_times)
         samples_per_s = samples / sum(self.train_times)
@@ -101,11 +110,11 @@ class EpochLog(Report):
             checkpoint=f"{best}-hf" if best else None,
             checkpoint_pt=f"{best}.pt" if best and checkpointer.full_state_dict else None,
             adapter=f"{best}-adapter" if best and state["lora"] else None, lora=state["lora"],
-            mixed_precision=mixed_precision, fsdp_version=self.args.fsdp_version,
+            mixed_precision=mixed_precision, fsdp_version=1 if isinstance(model, FSDP) else 2,
             rouge=self.generated[-1] if self.generated else None, rouge_per_epoch=self.generated,
             best_rouge=state.get("best_rouge"), compiled_graphs_per_epoch=self.graphs,
             sharding_strategy=(model.sharding_strategy.name if isinstance(model, FSDP)
-                               else self.args.sharding_strategy))
+                               else sharding_strategy))
 
     def bar(self, loader, desc, colour, leave, disable):
         """train's and validation's bar (progress_bar; tqdm's interface), whose batches come

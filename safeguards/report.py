@@ -35,8 +35,8 @@ class Report:
     """Times the run, measures memory per rank, prints both and writes --metrics-json: the
     figures of every script, plus the script's own (write())."""
 
-    def __init__(self, args, device):
-        self.args, self.device = args, device
+    def __init__(self, metrics_json, device):
+        self.metrics_json, self.device = metrics_json, device
         self.cuda = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         self.cuda = self.cuda if device.type == "cuda" else None
         self.restart()
@@ -83,12 +83,12 @@ class Report:
 
     def write(self, **metrics):
         """Rank 0 writes --metrics-json, under a temporary name first: never half-written."""
-        if self.args.metrics_json and dist.get_rank() == 0:
+        if self.metrics_json and dist.get_rank() == 0:
             metrics = {"script": RUN["script"], "world_size": dist.get_world_size(),
                        "device": self.device.type, "backend": dist.get_backend(), "wall_s":
                        self.wall_s, "train_state_bytes": self.state, "peak_memory_bytes":
                        self.peak, "peak_memory_per_rank": self.peaks, **metrics}
-            write_json(self.args.metrics_json, metrics)
+            write_json(self.metrics_json, metrics)
 
 
 def write_json(path, value):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import PROGRESS, diverged, fail, rank0_print
-from .safe_saves import checkpoint_figures
+from .fsdp2_saves import checkpoint_figures
 
 
 class StepLog:

@@ -40,7 +40,7 @@ import fsdp2_transformer  # noqa: E402
 import t5_fsdp_finetune  # noqa: E402
 from safeguards import fsdp2_checks, mnist_checks, t5_checks  # noqa: E402
 from safeguards.checkpoints import lock_problem, marker_problem, output_problem  # noqa: E402
-from safeguards.safe_saves import fsdp2_folder  # noqa: E402
+from safeguards.fsdp2_saves import fsdp2_folder  # noqa: E402
 from summarization_dataset import WikiHowError, read_articles  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -110,11 +110,11 @@ def test_on_torch_before_2_13_async_saves_copy_into_the_first_saves_memory(monke
     torch 2.11)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from safeguards import safe_saves
+    from safeguards import fsdp2_saves
     from safeguards.report import tensors_in
 
-    monkeypatch.setattr(safe_saves, "STAGER_REUSABLE", False)
-    stager = safe_saves.FiniteStager(DefaultStager(StagingOptions(
+    monkeypatch.setattr(fsdp2_saves, "STAGER_REUSABLE", False)
+    stager = fsdp2_saves.FiniteStager(DefaultStager(StagingOptions(
         use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
         use_non_blocking_copy=False)))  # the lesson's options on CPU
     weight, moment = torch.zeros(1000), torch.zeros(1000)

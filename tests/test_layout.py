@@ -270,10 +270,12 @@ def takers_of_args(tree, allowed):
 
 def test_functions_take_the_values_they_use():
     """In a script only main and parse_args take `args`; in the package, only the checks of the
-    flags (*_problem), the choices they make, --plan's entry and the resume line's."""
+    flags (*_problem), the choices they make, --plan's entry, the resume line's and the launcher,
+    which hands them to main."""
     for script in LESSONS:
         assert takers_of_args(parsed(REPO / script), {"main", "parse_args"}.__contains__) == []
-    entries = {"plan_and_exit", "plan_sizes", "resume_hint", "lora_settings", "sharding_choice"}
+    entries = {"plan_and_exit", "plan_sizes", "resume_hint", "lora_settings", "sharding_choice",
+               "launch", "spawn_worker", "run_worker"}  # (the launcher hands args to main)
     for module in MODULES:
         taken = takers_of_args(parsed(module),
                                lambda name: name.endswith("problem") or name in entries)

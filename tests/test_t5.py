@@ -497,7 +497,7 @@ def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
     checkpoint of --save-dir, or that a rerun starts from epoch 1."""
     from argparse import Namespace
 
-    from safeguards.t5_checks import resume_hint
+    from safeguards.t5_saves import resume_hint
 
     args = Namespace(save_model=True, checkpoint_type="sharded", save_dir=str(tmp_path))
     hint = resume_hint(args, "trainer_state.json")
@@ -515,7 +515,7 @@ def test_an_interrupted_run_says_where_a_rerun_resumes(tmp_path):
 
 
 def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
-    from safeguards.t5_checks import resume_target, t5_folder
+    from safeguards.t5_saves import resume_target, t5_folder
 
     folder = t5_folder(str(tmp_path), "trainer_state.json")
     for name in ("checkpoint-epoch-2", "checkpoint-epoch-10", "checkpoint-epoch-11.tmp",
