@@ -22,10 +22,8 @@ def rank0_print(*args, **kwargs):
 
 
 def fail(message, node_local=False):
-    """Exit 1 on this rank with one error line: rank 0 (node_local: each node's local rank 0) says
-    it at once; another rank only after 10 s, which it does not live to see when rank 0 says it
-    too (the launcher stops every rank once one has failed), but does when the problem is its own.
-    """
+    """Exit 1 with one error line: rank 0 (node_local: each node's local rank 0) says it at once;
+    another rank after 10 s, which it lives to see only when the problem is its own alone."""
     FAILING.append(message)  # the launcher's SIGTERM that may follow is not an interruption
     if int(os.environ.get("LOCAL_RANK" if node_local else "RANK", "0")) != 0:
         time.sleep(10)
@@ -35,9 +33,8 @@ def fail(message, node_local=False):
 
 
 def end_child_processes():
-    """Before os._exit, which skips their shutdown: kill the processes this one started (DCP's
-    checkpoint writer, which would otherwise outlive it and print an EOFError traceback once it
-    finds its parent gone; DataLoader workers)."""
+    """Before os._exit, which skips their shutdown: kill what this process started (DCP's writer,
+    which would print an EOFError traceback once its parent is gone; DataLoader workers)."""
     for child in multiprocessing.active_children():
         child.kill()
 
@@ -124,18 +121,10 @@ def stop_on_non_finite_gradients(optimizer, advice):
 
 class LockStep:
     """Ranks that run different numbers of batches, or of forwards in a batch, fail in one line
-    instead of hanging. Every FSDP collective waits for every rank: a rank whose loader runs out
-    first, or that cuts its batch into fewer micro-batches, leaves the others waiting in their next
-    all-gather until --dist-timeout, and then each says only that a collective failed.
-
-    So the ranks check in with each other before each batch of a loop (batches) and when a loop
-    runs out; given the model (where ranks may run different numbers of forwards in a batch), also
-    before each of its forwards (a forward pre-hook, ahead of FSDP's own) and before each optimizer
-    step (a hook of every optimizer's, ahead of theirs). Where one rank is not where the others
-    are, every rank stops with a line saying which ranks ran out, or went on, where. The check-ins
-    go over a gloo group of their own, on the host: no GPU waits for them. Each is an all-gather
-    of 4 numbers, which also makes the ranks wait for each other (benchmarks/README.md,
-    "Lock-step check")."""
+    instead of waiting in FSDP's next collective until --dist-timeout. They check in with each
+    other (an all-gather of 4 numbers over a gloo group of their own, on the host) before each
+    batch of a loop, when it runs out, and, given the model, before each forward and optimizer
+    step (benchmarks/README.md, "Lock-step check")."""
 
     BATCH, FORWARD, OUT, STEP = range(4)
     step_hook = None  # the optimizers' hook: one, of the newest LockStep of this process

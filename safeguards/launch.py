@@ -32,12 +32,10 @@ from .workarounds import end_cleanly
 
 
 def launch(main, args, *, resume_hint, memory_advice, check=None):
-    """Run main(args, device) on every rank. Under torchrun, in this process; under srun without
-    torchrun, in this process as the task SLURM made it; started with python, in --world-size
-    processes it spawns (default: one per GPU, or 2 on CPU) that meet on a free port, once
-    check(args, device, world_size) (main's flag checks) found nothing: bad flags fail before
-    any process starts. resume_hint(), or a text: where a rerun resumes, said when a signal stops
-    the run; memory_advice: what the line that says memory ran out advises."""
+    """Run main(args, device) on every rank: in this process under torchrun or srun; started with
+    python, in --world-size processes it spawns (one per GPU, or 2 on CPU), once check(args,
+    device, world_size) found nothing. resume_hint(), or a text: where a rerun resumes, said when
+    a signal stops the run; memory_advice: what the line of an out-of-memory error advises."""
     use_cuda = torch.cuda.is_available() and not args.cpu
     launcher, ending = "torchrun", (resume_hint, memory_advice)
     if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:  # a task of srun's
@@ -82,8 +80,8 @@ def launch(main, args, *, resume_hint, memory_advice, check=None):
 
 
 def forward_signals(running):
-    """Ctrl-C or SIGTERM to this process is passed on to the processes whose pids running()
-    gives, which stop themselves. Returns the list of when it came (empty until then)."""
+    """Pass Ctrl-C or SIGTERM on to the processes whose pids running() gives; returns the list of
+    when it came."""
     signalled = []
 
     def pass_on(signum, frame):
@@ -146,9 +144,8 @@ def share_the_cores(processes):
 
 @record  # an unexpected exception reaches torchrun's report as the root cause
 def run_worker(main, args, use_cuda, ending):
-    """main(args, device) in this process's process group; a lost peer or Ctrl-C ends it in one
-    line. Where a framework made the group already (Ray Train's TorchTrainer runs launch in its
-    workers), this process joins no other and takes the GPU it was given."""
+    """main(args, device) in this process's process group (or the one Ray Train made); a lost
+    peer, memory or Ctrl-C ends it in one line."""
     resume_hint, memory_advice = ending
     made_here = not dist.is_initialized()
     if threading.current_thread() is threading.main_thread():  # not in Ray's: its signals
@@ -195,12 +192,9 @@ def run_worker(main, args, use_cuda, ending):
 
 
 def return_freed_memory():
-    """--return-freed-memory, on CPU: hand freed blocks of 256 KiB or more back to the system at
-    once, rather than keep them for reuse as glibc does by default (its mmap threshold rises to
-    the largest block freed, up to 32 MiB: FSDP's freed all-gather buffers then stay with the
-    process). The price, why it is not the default: each such block is mapped afresh and zeroed
-    (benchmarks/README.md, 'Memory returned on CPU'). Nothing to do without mallopt (musl, macOS).
-    """
+    """--return-freed-memory, on CPU: glibc hands freed blocks of 256 KiB or more back at once
+    (by default its threshold rises to 32 MiB, and FSDP's freed buffers stay with the process), at
+    the price of mapping each afresh (benchmarks/README.md, 'Memory returned on CPU')."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is not None:
         mallopt(-3, 2**18)  # M_MMAP_THRESHOLD (malloc.h): 256 KiB
@@ -227,10 +221,8 @@ def init_process_group(backend, timeout, device):
 
 
 def stop_on_signal(signum, resume_hint):
-    """Ctrl-C (SIGINT) or SIGTERM: exit at once, with the status of a process killed by it (130,
-    143) and one line from rank 0 saying where a rerun resumes; no traceback from any rank. An
-    asynchronous checkpoint still being written stays a .tmp folder, which a resume ignores.
-    Silent when this process is already ending with an error (the launcher stops the others)."""
+    """Ctrl-C or SIGTERM: exit at once, status 130 (143), with one line from rank 0 saying where a
+    rerun resumes, no traceback; silent when this process is already ending with an error."""
     for each in (signal.SIGINT, signal.SIGTERM):
         signal.signal(each, signal.SIG_IGN)  # the launcher passes the signal on: once is enough
     if int(os.environ.get("RANK", "0")) == 0 and not FAILING:
@@ -243,8 +235,8 @@ def stop_on_signal(signum, resume_hint):
 
 
 def local_rank_zero_first(load):
-    """load() on each node's local rank 0, then on the node's other ranks, so that downloads and
-    caches are written once per node. A ValueError on any rank stops every rank with its text."""
+    """load() on each node's local rank 0, then on the others (downloads and caches written once
+    per node); a ValueError on any rank stops every rank with its text."""
     result = None
     for first in (True, False):
         error = None

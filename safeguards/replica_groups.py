@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import fail, rank0_print
+from .errors import fail, one_line, rank0_print
 from .launch import forward_signals
 from .workarounds import quiet_torchft
 
@@ -76,9 +76,8 @@ def fault_tolerance_problem(args, world_size):
 
 
 class ReplicaGroups:
-    """--fault-tolerance's safeguards around the lesson's fault_tolerant(), for this replica group
-    (group of groups): a store of its own, a first quorum that holds every group, a lost
-    Lighthouse in one line, and a line where steps train on fewer groups or this group healed."""
+    """The safeguards around the lesson's fault_tolerant() for this replica group (group of
+    groups): a store of its own, a first quorum of every group, a lost Lighthouse in one line."""
 
     def __init__(self, groups, group, timeout_s):
         self.groups, self.group, self.timeout_s = groups, group, timeout_s
@@ -102,11 +101,9 @@ class ReplicaGroups:
         return where
 
     def started(self, optimizer):
-        """Started with python, wait until every group's manager is up (launch_replica_groups'
-        store), so that the first quorum holds them all: one that joins later heals into the run,
-        but the steps before trained on fewer rows. Only rank 0's Manager asks the Lighthouse:
-        only it waits. Under torchrun and srun the groups start when the scheduler starts them.
-        Returns optimizer (torchft's), whose zero_grad ends in one line where no quorum comes."""
+        """Started with python, wait until every group's manager is up, so that the first quorum
+        holds them all (rank 0's Manager asks the Lighthouse: only it waits). Returns optimizer
+        (torchft's), whose zero_grad ends in one line where no quorum comes."""
         address = os.environ.get("FT_START_STORE")
         if (address is not None and dist.get_rank() == 0
                 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
@@ -126,20 +123,18 @@ class ReplicaGroups:
             try:
                 zero_grad(set_to_none)
             except (TimeoutError, RuntimeError) as e:
-                reason = " ".join(str(e).split())[:160]
                 fail(f"replica group {self.group}: no quorum from the Lighthouse at "
                      f"{os.environ['TORCHFT_LIGHTHOUSE']} within 2 x --dist-timeout "
-                     f"{self.timeout_s:g}s ({reason}): it stopped or cannot be reached. Restart "
-                     "it and the groups: they resume from their newest checkpoint in "
+                     f"{self.timeout_s:g}s ({one_line(e)}): it stopped or cannot be reached. "
+                     "Restart it and the groups: they resume from their newest checkpoint in "
                      "--checkpoint-dir")
 
         optimizer.zero_grad = zero_grad_or_one_line
         return optimizer
 
     def step(self, step, manager):
-        """After a committed step: a line where steps begin to train on fewer replica groups than
-        the job has (torchft skips the rows of a group not in the quorum: the global batch
-        shrinks), where all are back, and where this group healed (received a live one's state)."""
+        """After a committed step: a line where steps begin to train on fewer replica groups (their
+        rows skipped), where all are back, and where this group healed from a live one."""
         live, now = manager.num_participants(), manager.current_step()
         if now > step:
             rank0_print(f"step {now}: healed: received the model and optimizer state of step "
@@ -159,10 +154,9 @@ GROUP_STORE = []  # rank 0's TCPStore server: alive as long as the process
 
 
 class OneLinePerEvent(logging.Filter):
-    """torchft's failures as one line each, of rank 0 of the group that sees them, without
-    torchft's traceback: what failed, in which step, the first line of the reason, and what
-    happens now. Workaround: torchft 0.2.0 logs each caught failure with its traceback at ERROR
-    (the step is then retried, which is what a user needs to know). Remove when it logs one line."""
+    """torchft's failures as one line each, from rank 0 of the group: what failed, in which step,
+    why, and what happens now. Workaround: torchft 0.2.0 logs each caught failure with its
+    traceback at ERROR (the step is then retried). Remove when it logs one line."""
 
     EVENTS = {"waiting for work": "an all-reduce across replica groups failed",
               "in all reduce": "an all-reduce across replica groups failed",
@@ -178,8 +172,8 @@ class OneLinePerEvent(logging.Filter):
         event = next((e for key, e in self.EVENTS.items() if key in message), None)
         if event and dist.get_rank() == 0:
             step = re.search(r" - step (\d+)\]", message)
-            reason = record.exc_info[1] if record.exc_info else message.split(": ", 1)[-1]
-            reason = " ".join(str(reason).split())[:160]
+            reason = (one_line(record.exc_info[1]) if record.exc_info
+                      else " ".join(message.split(": ", 1)[-1].split())[:160])
             print(f"replica group {self.group}: step {int(step[1]) + 1 if step else '?'} not "
                   f"committed: {event} ({reason}); it runs again with the groups alive",
                   file=sys.stderr, flush=True)
@@ -187,8 +181,7 @@ class OneLinePerEvent(logging.Filter):
 
 
 def relay(pipe, out, prefix):
-    """Each line of a replica group's output, with the group's name in front (launch_replica_groups:
-    each group's rank 0 prints the group's lines)."""
+    """Each line of a replica group's output, with the group's name in front."""
     for line in iter(pipe.readline, b""):
         out.write(prefix + line.decode(errors="replace"))
         out.flush()

@@ -1,30 +1,15 @@
 """torchrun's agent and its workers, forked from processes that have imported torch once.
 
-conftest.run_command starts torchrun this way rather than as new Pythons that import torch again:
-importing torch costs 2.4 s of CPU, and a script's imports 3-7 s, in each of a run's processes;
-the suite is CPU-bound, so that was most of its time. What runs is unchanged:
-
-- The agent is forked from a process that imported torch.distributed.run, and runs torchrun's own
-  main() with the run's arguments, environment and folder.
-- Its workers are forked from a worker server (one per script, started on first use, ending with
-  the session) that imported the modules the script imports (and those torch imports on first
-  use in every run of it: IMPORTED_LATER), with the run's environment and OMP_NUM_THREADS=1 as
-  torchrun gives. Each worker then runs the script's file as `__main__`, with torchrun's
-  per-worker environment, arguments and output files, in its own session (torchrun signals the
-  process group), and ends as Python does. Whatever importing printed (a library's
-  warning) is printed again at the start of each worker's stderr, as a new Python would print it.
-- A run whose environment differs from the server's (a test's env=...), or a command torchrun
-  builds differently, starts its workers as new processes, as before.
-
-test_faults starts a ForkedAgent in the background and kills or stops its workers (it lists them).
-test_edges interrupts one, and a `python script.py` (start_python), each in a session of its own
-as a terminal's job, whose process group Ctrl-C signals. This module stays small: each forked
-agent imports it.
-
-Every run is a new process instead (forks() is False; NewAgent stands for ForkedAgent) with
-FSDP_TESTS_FORK=0, on a machine with a CUDA device (cuda_devices), or when torchrun's private
-hook is not what fork_workers_from replaces (hook_as_expected): the suite then passes as it would
-without this module, only slower.
+conftest.run_command starts torchrun this way rather than as new Pythons that import torch again
+(2.4 s of CPU, and a script's imports 3-7 s, in each of a run's processes). What runs is
+unchanged: the agent, forked from a process that imported torch.distributed.run, runs torchrun's
+own main(); its workers are forked from a server per script that imported what the script
+imports, each running the script's file as `__main__` with torchrun's environment, arguments and
+output, in a session of its own. A run whose environment differs from the server's starts its
+workers as new processes. With FSDP_TESTS_FORK=0, on a machine with a CUDA device, or when
+torchrun's private hook is not what fork_workers_from replaces, every run is a new process
+(NewAgent stands for ForkedAgent): the suite passes the same, only slower. Each forked agent
+imports this module: it stays small.
 """
 import ast
 import atexit

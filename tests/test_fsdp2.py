@@ -234,6 +234,29 @@ def test_checkpoint_from_two_ranks_resumes_on_one_with_the_other_api(torchrun, t
     assert all(torch.allclose(model[k], expected[k], rtol=1e-5, atol=1e-6) for k in expected)
 
 
+def test_a_full_checkpoint_is_read_once_per_rank_on_resume(tmp_path, fsdp2_reference):
+    """Resuming from model.pt and optimizer.pt, each rank opens each file once to read it
+    (memory-mapped: it reads only its shards' pages) and checks what that read loaded, never the
+    files again; the run goes on as the uninterrupted one. (A copy of the script logs every open
+    for reading, with Python's audit hook.)"""
+    copy_fsdp2_checkpoint(fsdp2_reference, 10, tmp_path / "ckpt")
+    script = script_with_lines(SCRIPT, tmp_path, "import os\n", (
+        "import sys\n"
+        "def opens_logged(event, args):\n"
+        "    if event == 'open' and str(args[0]).endswith('.pt') and 'r' in (args[1] or ''):\n"
+        "        with open(f\"opens{os.environ['RANK']}.txt\", 'a') as log:\n"
+        "            print(os.path.basename(args[0]), file=log)\n"
+        "sys.addaudithook(opens_logged)\n"))
+    args = [*TINY, "--steps", 12, "--checkpoint-dir", "ckpt", "--save-every", 100]
+    result = run_command(torchrun_command(script, args, 2), tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    for rank in (0, 1):  # (read: the save at step 12 opens them to write)
+        opens = (tmp_path / f"opens{rank}.txt").read_text().split()
+        assert sorted(opens) == ["model.pt", "optimizer.pt"], (rank, opens)
+    assert result.metrics["losses"] == pytest.approx(fsdp2_reference.metrics["losses"][10:12],
+                                                      rel=1e-5)
+
+
 def test_checkpoint_layout_and_plain_model(fsdp2_reference):
     """Complete folders only; model.pt loads into the plain, unsharded Transformer."""
     folder = fsdp2_reference.cwd / "ckpt"
